@@ -1,0 +1,286 @@
+"""Public functions: the three grouped GEMMs, explain, registration and statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from grouped_gemm import config, validation
+from grouped_gemm.backend import BackendLike, BackendSpec, Reason
+from grouped_gemm.decision import Decision
+from grouped_gemm.device import DeviceInfo, device_info
+from grouped_gemm.dispatch import DISPATCHER, check_names, decide
+from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.plugins import PluginFailure
+from grouped_gemm.problem import OPS, Op, Problem, splits_alignment
+from grouped_gemm.recipes import Recipe, get_recipe
+from grouped_gemm.registry import registry
+from grouped_gemm.splits import balanced_splits, skewed_splits
+
+_orders: dict[Any, config.Order] = {}
+
+
+def _call_order(backend: Any) -> config.Order | None:
+    """Parse a per-call ``backend=`` once per distinct value."""
+    if backend is None:
+        return None
+    key = tuple(backend) if isinstance(backend, list) else backend
+    try:
+        cached = _orders.get(key)
+    except TypeError:  # an unhashable mapping: parse every time
+        return config.parse_order(backend, "backend")
+    if cached is None:
+        cached = _orders[key] = config.parse_order(backend, "backend")
+    return cached
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor | list[torch.Tensor],
+    m_splits: Any,
+    *,
+    recipe: str | Recipe | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: Any = None,
+) -> torch.Tensor:
+    """Forward: ``out[rows of g] = x[rows of g] @ w[g].T`` -> ``(M, N)``.
+
+    ``x`` is ``(M, K)``; ``w`` a ``(G, N, K)`` tensor or a list of G ``(N, K)`` tensors;
+    ``m_splits`` G non-negative ints summing to M (list, tuple, or 1-D integer tensor on
+    the host or the device). ``recipe`` defaults to the plain recipe of ``x``'s dtype.
+    ``backend`` names a backend, a list of them, or an order string to prefer.
+    """
+    problem, inputs = validation.fwd_or_dgrad("fwd", x, w, m_splits, recipe, out, out_dtype)
+    return DISPATCHER.run(problem, inputs, _call_order(backend))
+
+
+def grouped_gemm_dgrad(
+    dy: torch.Tensor,
+    w: torch.Tensor | list[torch.Tensor],
+    m_splits: Any,
+    *,
+    recipe: str | Recipe | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: Any = None,
+) -> torch.Tensor:
+    """Input gradient: ``dx[rows of g] = dy[rows of g] @ w[g]`` -> ``(M, K)``."""
+    problem, inputs = validation.fwd_or_dgrad("dgrad", dy, w, m_splits, recipe, out, out_dtype)
+    return DISPATCHER.run(problem, inputs, _call_order(backend))
+
+
+def grouped_gemm_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    m_splits: Any,
+    *,
+    recipe: str | Recipe | None = None,
+    out: torch.Tensor | list[torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    backend: Any = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Weight gradient: ``dw[g] = dy[rows of g].T @ x[rows of g]`` -> ``(G, N, K)``.
+
+    With ``accumulate=True`` the result is added into ``out`` (for example an fp32
+    ``main_grad``); groups without rows leave it untouched. Without it, empty groups
+    give zeros. ``out`` may be a list of G ``(N, K)`` tensors (one per expert).
+    """
+    problem, inputs = validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate)
+    return DISPATCHER.run(problem, inputs, _call_order(backend))
+
+
+def describe_problem(
+    *,
+    op: Op = "fwd",
+    groups: int,
+    m: int,
+    n: int,
+    k: int,
+    recipe: str | Recipe = "bf16",
+    dtype: torch.dtype | str | None = None,
+    out_dtype: torch.dtype | str | None = None,
+    device: DeviceInfo | str | None = None,
+    splits: str | list[int] = "balanced",
+    device_splits: bool = False,
+    accumulate: bool = False,
+    weight_list: bool = False,
+) -> Problem:
+    """A Problem for a described call (no tensors), e.g. for ``explain`` on another chip.
+
+    ``device`` is a DeviceInfo or an arch name (default: this machine's current device);
+    ``splits`` is ``"balanced"``, ``"skewed"`` or explicit group sizes.
+    """
+    if op not in OPS:
+        raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
+    for name, value in (("groups", groups), ("m", m), ("n", n), ("k", k)):
+        if not isinstance(value, int) or value < (1 if name != "m" else 0):
+            raise InvalidArgumentError(name, value, "a positive integer" if name != "m" else "an integer >= 0")
+    resolved = get_recipe(recipe)
+    info = _described_device(device)
+    if isinstance(splits, str):
+        if splits not in ("balanced", "skewed"):
+            raise InvalidArgumentError("splits", splits, "'balanced', 'skewed' or a list of group sizes")
+        sizes = balanced_splits(groups, m) if splits == "balanced" else skewed_splits(groups, m)
+    else:
+        sizes = list(splits)
+        if len(sizes) != groups or sum(sizes) != m or min(sizes) < 0:
+            raise InvalidArgumentError("splits", splits, f"{groups} non-negative sizes summing to m={m}")
+    in_dtype = _dtype_name(dtype) if dtype is not None else (resolved.plain_dtype or "bfloat16")
+    cap = registry().max_m_multiple
+    return Problem(
+        op=op, recipe=resolved.name, groups=groups, m=m, n=n, k=k,
+        a_format=in_dtype, b_format=in_dtype,
+        out_dtype=_dtype_name(out_dtype) if out_dtype is not None else in_dtype,
+        device=info, placement="cpu" if info.vendor == "cpu" else "cuda",
+        scale_rule=resolved.scale_rule, host_splits=not device_splits, weight_list=weight_list,
+        accumulate=accumulate, m_align=(0 if cap > 1 else 1) if device_splits else splits_alignment(sizes, cap),
+    )
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else validation.dtype_name(dtype)
+
+
+def _described_device(device: DeviceInfo | str | None) -> DeviceInfo:
+    if isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, str):
+        return DeviceInfo.for_arch(device)
+    here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return device_info(here)
+
+
+def explain(
+    a: torch.Tensor | None = None,
+    b: Any = None,
+    m_splits: Any = None,
+    *,
+    op: Op = "fwd",
+    recipe: str | Recipe | None = None,
+    backend: Any = None,
+    out: Any = None,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    **described: Any,
+) -> Decision:
+    """The full routing decision for a call, without running it.
+
+    Pass the call's tensors (``explain(x, w, splits)``; for dgrad ``(dy, w, splits)``,
+    for wgrad ``(dy, x, splits)``) or describe it with ``describe_problem``'s keywords
+    (``groups=, m=, n=, k=, device="gfx950", splits="skewed"``...).
+    """
+    if a is not None:
+        if described:
+            raise InvalidArgumentError("explain", sorted(described), "tensors or a description, not both")
+        if op == "wgrad":
+            problem, _ = validation.wgrad(a, b, m_splits, recipe, out, out_dtype, accumulate)
+        elif op in OPS:
+            problem, _ = validation.fwd_or_dgrad(op, a, b, m_splits, recipe, out, out_dtype)
+        else:
+            raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
+    else:
+        problem = describe_problem(op=op, recipe=recipe or "bf16", out_dtype=out_dtype,
+                                   accumulate=accumulate, **described)
+    decision, _ = decide(problem, _call_order(backend))
+    return decision
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """A registered backend as ``list_backends`` reports it.
+
+    ``reasons_here`` says why it cannot run a representative problem (fwd, its first
+    recipe, G=8, M=N=K=1024) on this machine; empty means it can.
+    """
+
+    name: str
+    plugin: str
+    version: str
+    spec: BackendSpec
+    reasons_here: tuple[Reason, ...]
+
+    @property
+    def available(self) -> bool:
+        return not self.reasons_here
+
+
+def _probe(spec: BackendSpec, device: DeviceInfo) -> Problem:
+    recipe = "bf16" if "bf16" in spec.recipes else sorted(spec.recipes)[0]
+    op = "fwd" if "fwd" in spec.ops else sorted(spec.ops)[0]
+    return describe_problem(op=op, groups=8, m=1024, n=1024, k=1024, recipe=recipe, device=device)
+
+
+def list_backends(device: DeviceInfo | str | None = None) -> list[BackendInfo]:
+    """Every registered backend, by name, with whether it can run here and why not."""
+    info = _described_device(device)
+    out = []
+    for entry in registry().entries():
+        decision, _ = decide(_probe(entry.spec, info), config.parse_order([entry.spec.name]))
+        out.append(BackendInfo(
+            name=entry.spec.name, plugin=entry.plugin, version=entry.spec.version,
+            spec=entry.spec, reasons_here=decision.candidate(entry.spec.name).reasons,
+        ))
+    return out
+
+
+def _check_order(order: config.OrderLike, argument: str) -> None:
+    for _, names in config.parse_order(order, argument):
+        check_names(names, registry(), argument)
+
+
+def configure(**changes: Any) -> config.Settings:
+    """Set process-wide options in code (they override the environment):
+    ``backends`` (an order, None clears it), ``warn_fallback``, ``strict``, ``log_level``,
+    ``check_device_splits``. Returns the settings now in force."""
+    if changes.get("backends") is not None:
+        _check_order(changes["backends"], "backends")
+    return config.configure(**changes)
+
+
+@contextlib.contextmanager
+def use_backends(
+    order: config.OrderLike | None = None,
+    *,
+    strict: bool | None = None,
+    warn_fallback: bool | None = None,
+) -> Iterator[None]:
+    """Prefer backends (and optionally set strict / fallback warnings) inside a block.
+
+    ``order`` is a name, a list of names, an order string (``"mxfp4:a,b;bf16:c"``) or a
+    recipe -> names mapping. Scopes nest and are local to the thread and asyncio task.
+    """
+    if order is not None:
+        _check_order(order, "order")
+    with config.use_backends(order, strict=strict, warn_fallback=warn_fallback):
+        yield
+
+
+def register_backend(backend: BackendLike) -> None:
+    """Register a backend object in code (its name must be new)."""
+    registry().register(backend, plugin="code")
+
+
+def unregister_backend(name: str) -> BackendLike:
+    """Remove a backend by name; returns it."""
+    return registry().unregister(name)
+
+
+def plugin_failures() -> list[PluginFailure]:
+    """Plugins that failed to import or register, with their errors."""
+    return list(registry().failures)
+
+
+def dispatch_stats() -> dict[str, Any]:
+    """Calls per selected backend, fallbacks, and skips per (backend, reason code)."""
+    return DISPATCHER.stats()
+
+
+def reset_dispatch_stats() -> None:
+    """Zero the counters and forget which fallback warnings were already shown."""
+    DISPATCHER.reset_stats()

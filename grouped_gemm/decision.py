@@ -1,0 +1,107 @@
+"""Decision: which backend a problem goes to, every other backend and why it was not it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grouped_gemm.backend import Reason
+from grouped_gemm.problem import Problem
+
+#: Reason codes that mean "this backend was never meant for this kind of call" (a GPU
+#: backend on CPU tensors, a bf16-only backend for an MX recipe). Skipping such a
+#: backend is not a fallback unless the user named it.
+NOT_IN_THE_RUNNING = frozenset({"vendor", "placement", "op", "recipe"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One backend as dispatch saw it for one problem."""
+
+    name: str
+    plugin: str
+    version: str
+    priority: int
+    preferred: bool
+    reasons: tuple[Reason, ...]
+
+    @property
+    def eligible(self) -> bool:
+        return not self.reasons
+
+    @property
+    def relevant(self) -> bool:
+        """Whether skipping it counts as a fallback."""
+        return self.preferred or not all(r.code in NOT_IN_THE_RUNNING for r in self.reasons)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The full routing decision for one problem signature.
+
+    ``candidates`` are in rank order; ``order_source`` says which level set the
+    preference (``call``, ``scope``, ``configure``, ``env`` or ``priority``).
+    """
+
+    problem: Problem
+    candidates: tuple[Candidate, ...]
+    selected: str | None
+    order_source: str
+    order: tuple[str, ...]
+    strict: bool
+
+    @property
+    def skipped(self) -> tuple[Candidate, ...]:
+        """Relevant candidates ranked above the selected one (all of them if none ran)."""
+        out = []
+        for c in self.candidates:
+            if c.name == self.selected:
+                break
+            if c.relevant:
+                out.append(c)
+        return tuple(out)
+
+    @property
+    def fallback(self) -> bool:
+        """True when a higher-ranked relevant backend was skipped."""
+        return bool(self.skipped)
+
+    def candidate(self, name: str) -> Candidate:
+        for c in self.candidates:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        """One line per skipped backend and the chosen one (warnings, errors)."""
+        lines = [f"{c.name}: " + "; ".join(str(r) for r in c.reasons) for c in self.skipped]
+        chosen = self.selected or "none"
+        return f"{self.problem}: selected {chosen}" + (
+            "; skipped " + " | ".join(lines) if lines else ""
+        )
+
+    def table(self) -> str:
+        """The decision as a fixed-width table, every backend with its reasons."""
+        head = f"problem: {self.problem}\ndevice:  {self.problem.device}\n"
+        order = ", ".join(self.order) if self.order else "-"
+        head += f"order:   {self.order_source} ({order}){' strict' if self.strict else ''}\n"
+        rows = [("rank", "backend", "plugin", "prio", "eligible", "reasons")]
+        for rank, c in enumerate(self.candidates, 1):
+            mark = "*" if c.name == self.selected else ""
+            rows.append((
+                f"{rank}{mark}",
+                c.name,
+                c.plugin,
+                str(c.priority),
+                "yes" if c.eligible else "no",
+                "; ".join(str(r) for r in c.reasons),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        body = "\n".join(
+            ("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5]).rstrip()
+            for row in rows
+        )
+        tail = f"\nselected: {self.selected or 'none (no eligible backend)'}"
+        return head + body + tail
+
+    def __str__(self) -> str:
+        return self.table()

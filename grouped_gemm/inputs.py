@@ -1,0 +1,56 @@
+"""GroupedInputs: the validated operands a backend's ``run`` receives.
+
+Holds the data ``Problem`` leaves out, plus the helpers every backend needs in one place
+(host splits, device offsets), so backends do not each re-derive them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(slots=True)
+class GroupedInputs:
+    """Operands of one call, already validated by the core.
+
+    ``a`` / ``b`` follow ``Problem``'s table (fwd: x, w; dgrad: dy, w; wgrad: dy, x).
+    ``b`` (fwd, dgrad) or ``out`` (wgrad) may be a list of G tensors when
+    ``Problem.weight_list`` is set. ``out`` is the caller's buffer or None; a backend
+    writes into it when given (and must when ``Problem.accumulate``) and returns the
+    result either way. ``m_splits`` is a list of ints or a 1-D integer tensor.
+    """
+
+    a: Any
+    b: Any
+    m_splits: list[int] | torch.Tensor
+    out: Any = None
+    _offsets: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def splits_list(self) -> list[int]:
+        """Group sizes on the host (a device-to-host sync if they live on the device)."""
+        if isinstance(self.m_splits, torch.Tensor):
+            return [int(v) for v in self.m_splits.tolist()]
+        return self.m_splits
+
+    def offsets(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """Cumulative group ends ``[m0, m0+m1, ..., M]`` (length G) on ``device``.
+
+        From device splits this is one ``cumsum`` with no host sync; from host splits
+        one small copy. Cached per (device, dtype) for the life of the call.
+        """
+        key = (device, dtype)
+        cached = self._offsets.get(key)
+        if cached is not None:
+            return cached
+        if isinstance(self.m_splits, torch.Tensor):
+            ends = torch.cumsum(self.m_splits.to(device), 0).to(dtype)
+        else:
+            ends = torch.tensor(
+                list(itertools.accumulate(self.m_splits)), dtype=dtype
+            ).to(device, non_blocking=True)
+        self._offsets[key] = ends
+        return ends

@@ -1,0 +1,119 @@
+"""Plugins: pluggy hook specs, built-in plugin names, entry-point discovery.
+
+Built-in backends are plugins like any other, listed by module name in
+``DEFAULT_PLUGINS`` (pytest's pattern), so they register without installed entry-point
+metadata and the core never imports a backend by name. Third-party plugins come from
+the entry-point group ``grouped_gemm``. Each plugin is imported and called on its own:
+one that fails is recorded with its error and the rest keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pluggy
+
+from grouped_gemm.config import LOGGER, plugin_autoload_disabled
+
+PROJECT = "grouped_gemm"
+ENTRY_POINT_GROUP = "grouped_gemm"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+DEFAULT_PLUGINS = (
+    "grouped_gemm.backends.reference",
+    "grouped_gemm.backends.torch_grouped_mm",
+    "grouped_gemm.backends.multistream",
+    "grouped_gemm.backends.triton_mxfp4",
+)
+
+
+class HookSpecs:
+    """The hooks a grouped_gemm plugin may implement."""
+
+    @hookspec
+    def grouped_gemm_backends(self, register: Callable[[Any], None]) -> Iterable[Any] | None:
+        """Provide backends: return an iterable of them, or call ``register(backend)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that could not be loaded or whose backends were rejected."""
+
+    plugin: str
+    stage: str
+    error: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.plugin} ({self.stage}): {self.error}"
+
+
+def _failure(plugin: str, stage: str, exc: BaseException) -> PluginFailure:
+    LOGGER.warning("grouped_gemm plugin %s failed at %s: %s", plugin, stage, exc)
+    return PluginFailure(
+        plugin=plugin,
+        stage=stage,
+        error=f"{type(exc).__name__}: {exc}",
+        detail="".join(traceback.format_exception(exc)),
+    )
+
+
+def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
+    """(name, module) of every plugin that imports, and the failures of the others."""
+    loaded: list[tuple[str, Any]] = []
+    failures: list[PluginFailure] = []
+    for name in DEFAULT_PLUGINS:
+        try:
+            loaded.append((name, importlib.import_module(name)))
+        except Exception as exc:
+            failures.append(_failure(name, "import", exc))
+    if plugin_autoload_disabled():
+        return loaded, failures
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        label = f"{ep.name} ({ep.value})"
+        try:
+            loaded.append((label, ep.load()))
+        except Exception as exc:
+            failures.append(_failure(label, "import", exc))
+    return loaded, failures
+
+
+def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
+    """Load every plugin and hand each backend it provides to ``register(backend, plugin)``.
+
+    Returns the failures; a failing plugin never stops the others.
+    """
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(HookSpecs)
+    plugins, failures = _available_plugins()
+    for name, module in plugins:
+        if manager.is_registered(module):
+            continue
+        try:
+            manager.register(module, name=name)
+        except Exception as exc:
+            failures.append(_failure(name, "register", exc))
+    for impl in manager.hook.grouped_gemm_backends.get_hookimpls():
+        name = impl.plugin_name
+
+        def add(backend: Any, _plugin: str = name) -> None:
+            try:
+                register(backend, _plugin)
+            except Exception as exc:
+                failures.append(_failure(_plugin, "register backend", exc))
+
+        try:
+            kwargs = {"register": add} if "register" in impl.argnames else {}
+            returned = impl.function(**kwargs)
+            for backend in returned or ():
+                add(backend)
+        except Exception as exc:
+            failures.append(_failure(name, "backends", exc))
+    return failures

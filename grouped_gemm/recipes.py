@@ -1,0 +1,86 @@
+"""Recipes: the number formats of a grouped GEMM's operands and gradients.
+
+A recipe fixes what the activations, weights and gradients are quantized to, and how MX
+block scales are chosen. Plain recipes (``bf16``, ``fp16``, ``fp32``) take tensors of
+that dtype as they are. MX recipes take bf16 / fp16 / fp32 tensors (quantized by the
+backend as the recipe says) or already-quantized ``MXTensor`` operands.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from grouped_gemm.errors import UnknownRecipeError
+
+ScaleRule = Literal["rceil", "floor", "even"]
+ElementFormat = Literal["e4m3", "e5m2", "e2m1"]
+PLAIN_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class Recipe(BaseModel):
+    """Operand formats of one recipe. ``None`` as a format means "kept in high precision".
+
+    ``grad_format`` is what ``dy`` is quantized to in dgrad / wgrad; ``scale_rule`` how
+    every MX block scale is chosen (see ``grouped_gemm.mx``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    plain_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    act_format: ElementFormat | None = None
+    weight_format: ElementFormat | None = None
+    grad_format: ElementFormat | None = None
+    scale_rule: ScaleRule = "rceil"
+    block_size: int = 32
+
+    @property
+    def is_mx(self) -> bool:
+        """True for recipes with at least one MX-quantized operand."""
+        return self.plain_dtype is None
+
+
+RECIPES: dict[str, Recipe] = {
+    "bf16": Recipe(name="bf16", plain_dtype="bfloat16"),
+    "fp16": Recipe(name="fp16", plain_dtype="float16"),
+    "fp32": Recipe(name="fp32", plain_dtype="float32"),
+    "mxfp8": Recipe(name="mxfp8", act_format="e4m3", weight_format="e4m3", grad_format="e4m3"),
+    "mxfp4": Recipe(name="mxfp4", act_format="e2m1", weight_format="e2m1", grad_format="e2m1"),
+    "a8w4": Recipe(name="a8w4", act_format="e4m3", weight_format="e2m1", grad_format="e4m3"),
+    "a16w4": Recipe(name="a16w4", weight_format="e2m1"),
+}
+
+_PLAIN_BY_DTYPE = {r.plain_dtype: r for r in RECIPES.values() if r.plain_dtype}
+
+
+def get_recipe(recipe: str | Recipe) -> Recipe:
+    """The Recipe for a name, or a Recipe object checked against its built-in namesake.
+
+    A Recipe object may change a built-in recipe's ``scale_rule`` and ``grad_format``
+    (e.g. ``get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})``); its
+    name and operand formats must stay those of the built-in.
+    """
+    if isinstance(recipe, Recipe):
+        base = RECIPES.get(recipe.name)
+        same = base is not None and all(
+            getattr(recipe, f) == getattr(base, f) for f in ("plain_dtype", "act_format", "weight_format", "block_size")
+        )
+        if not same:
+            raise UnknownRecipeError(
+                "recipe", recipe,
+                f"a built-in recipe ({', '.join(RECIPES)}) with only scale_rule / grad_format changed",
+            )
+        return recipe
+    found = RECIPES.get(recipe) if isinstance(recipe, str) else None
+    if found is None:
+        raise UnknownRecipeError(
+            "recipe", recipe, f"known recipes are {', '.join(RECIPES)} (or a gg.Recipe)"
+        )
+    return found
+
+
+def plain_recipe_for(dtype_name: str) -> Recipe | None:
+    """The plain recipe whose dtype is ``dtype_name`` (``"bfloat16"`` -> bf16), if any."""
+    return _PLAIN_BY_DTYPE.get(dtype_name)

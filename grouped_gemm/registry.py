@@ -1,0 +1,108 @@
+"""The backend registry: every backend by name, which plugin gave it, what failed.
+
+Loaded lazily on first use. Every change bumps ``epoch``, which is part of the
+decision-cache key, so registering a backend invalidates cached decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+from grouped_gemm.backend import BackendLike, BackendSpec
+from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
+from grouped_gemm.plugins import PluginFailure, collect
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A registered backend and the plugin that registered it."""
+
+    backend: BackendLike
+    plugin: str
+
+    @property
+    def spec(self) -> BackendSpec:
+        return self.backend.spec
+
+
+class Registry:
+    """Name -> backend, with the plugin failures seen while loading."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self.failures: list[PluginFailure] = []
+        self.epoch = 0
+        self.max_m_multiple = 1
+        self._loaded = False
+
+    def ensure_loaded(self) -> Registry:
+        """Load built-in and entry-point plugins once."""
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    self.failures.extend(collect(self.register))
+                    self._loaded = True
+        return self
+
+    def register(self, backend: object, plugin: str = "code") -> None:
+        """Add a backend; its name must be new."""
+        spec = getattr(backend, "spec", None)
+        if not isinstance(spec, BackendSpec) or not isinstance(backend, BackendLike):
+            raise InvalidTypeError(
+                "backend", backend,
+                "an object with a BackendSpec `spec` and `check(problem)` / `run(problem, inputs)` methods",
+            )
+        with self._lock:
+            existing = self._entries.get(spec.name)
+            if existing is not None:
+                raise DuplicateBackendError(
+                    f"backend name {spec.name!r} from plugin {plugin!r} is already registered "
+                    f"by plugin {existing.plugin!r}; backend names must be unique"
+                )
+            self._entries = {**self._entries, spec.name: Entry(backend, plugin)}
+            self._changed()
+
+    def unregister(self, name: str) -> BackendLike:
+        """Remove a backend by name and return it."""
+        with self._lock:
+            entry = self.get(name)
+            self._entries = {k: v for k, v in self._entries.items() if k != name}
+            self._changed()
+            return entry.backend
+
+    def _changed(self) -> None:
+        self.epoch += 1
+        self.max_m_multiple = max((e.spec.m_multiple for e in self._entries.values()), default=1)
+
+    def get(self, name: str) -> Entry:
+        """The entry for ``name``, or UnknownBackendError listing the known names."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise UnknownBackendError("backend", name, f"registered backends are {', '.join(sorted(self._entries))}")
+        return entry
+
+    def entries(self) -> list[Entry]:
+        """All entries, sorted by name (never by load order)."""
+        return [self._entries[n] for n in sorted(self._entries)]
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._entries)
+
+
+_registry = Registry()
+
+
+def registry() -> Registry:
+    """The process-wide registry, loaded on first use."""
+    return _registry.ensure_loaded()
+
+
+def _after_fork() -> None:
+    _registry._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
