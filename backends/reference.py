@@ -49,8 +49,8 @@ class ReferenceBackend(Backend):
         for g, rows in enumerate(splits):
             if rows:
                 w_g = w[g].to(acc)
-                a_g = a[start:start + rows].to(acc)
-                out[start:start + rows] = a_g @ (w_g.T if problem.op == "fwd" else w_g)
+                a_g = a[start : start + rows].to(acc)
+                out[start : start + rows] = a_g @ (w_g.T if problem.op == "fwd" else w_g)
             start += rows
         return out
 
@@ -64,7 +64,7 @@ class ReferenceBackend(Backend):
         for g, rows in enumerate(splits):
             target = out[g]
             if rows:
-                grad = dy[start:start + rows].to(acc).T @ x[start:start + rows].to(acc)
+                grad = dy[start : start + rows].to(acc).T @ x[start : start + rows].to(acc)
                 if problem.accumulate:
                     grad += target.to(acc)
                 target.copy_(grad)

@@ -1,10 +1,10 @@
 """grouped_gemm: one call for MoE grouped GEMMs, routed to the best backend that can run it.
 
-    import grouped_gemm as gg
-    out = gg.grouped_gemm(x, w, m_splits)          # fwd:   out_g = x_g @ w_g.T
-    dx = gg.grouped_gemm_dgrad(dy, w, m_splits)    # dgrad: dx_g  = dy_g @ w_g
-    dw = gg.grouped_gemm_wgrad(dy, x, m_splits)    # wgrad: dw_g  = dy_g.T @ x_g
-    print(gg.explain(x, w, m_splits))              # which backend, and why not the others
+import grouped_gemm as gg
+out = gg.grouped_gemm(x, w, m_splits)          # fwd:   out_g = x_g @ w_g.T
+dx = gg.grouped_gemm_dgrad(dy, w, m_splits)    # dgrad: dx_g  = dy_g @ w_g
+dw = gg.grouped_gemm_wgrad(dy, x, m_splits)    # wgrad: dw_g  = dy_g.T @ x_g
+print(gg.explain(x, w, m_splits))              # which backend, and why not the others
 """
 
 from grouped_gemm.api import (

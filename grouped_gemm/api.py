@@ -134,12 +134,22 @@ def describe_problem(
     in_dtype = _dtype_name(dtype) if dtype is not None else (resolved.plain_dtype or "bfloat16")
     cap = registry().max_m_multiple
     return Problem(
-        op=op, recipe=resolved.name, groups=groups, m=m, n=n, k=k,
-        a_format=in_dtype, b_format=in_dtype,
+        op=op,
+        recipe=resolved.name,
+        groups=groups,
+        m=m,
+        n=n,
+        k=k,
+        a_format=in_dtype,
+        b_format=in_dtype,
         out_dtype=_dtype_name(out_dtype) if out_dtype is not None else in_dtype,
-        device=info, placement="cpu" if info.vendor == "cpu" else "cuda",
-        scale_rule=resolved.scale_rule, host_splits=not device_splits, weight_list=weight_list,
-        accumulate=accumulate, m_align=(0 if cap > 1 else 1) if device_splits else splits_alignment(sizes, cap),
+        device=info,
+        placement="cpu" if info.vendor == "cpu" else "cuda",
+        scale_rule=resolved.scale_rule,
+        host_splits=not device_splits,
+        weight_list=weight_list,
+        accumulate=accumulate,
+        m_align=(0 if cap > 1 else 1) if device_splits else splits_alignment(sizes, cap),
     )
 
 
@@ -185,8 +195,9 @@ def explain(
         else:
             raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
     else:
-        problem = describe_problem(op=op, recipe=recipe or "bf16", out_dtype=out_dtype,
-                                   accumulate=accumulate, **described)
+        problem = describe_problem(
+            op=op, recipe=recipe or "bf16", out_dtype=out_dtype, accumulate=accumulate, **described
+        )
     decision, _ = decide(problem, _call_order(backend))
     return decision
 
@@ -222,10 +233,15 @@ def list_backends(device: DeviceInfo | str | None = None) -> list[BackendInfo]:
     out = []
     for entry in registry().entries():
         decision, _ = decide(_probe(entry.spec, info), config.parse_order([entry.spec.name]))
-        out.append(BackendInfo(
-            name=entry.spec.name, plugin=entry.plugin, version=entry.spec.version,
-            spec=entry.spec, reasons_here=decision.candidate(entry.spec.name).reasons,
-        ))
+        out.append(
+            BackendInfo(
+                name=entry.spec.name,
+                plugin=entry.plugin,
+                version=entry.spec.version,
+                spec=entry.spec,
+                reasons_here=decision.candidate(entry.spec.name).reasons,
+            )
+        )
     return out
 
 

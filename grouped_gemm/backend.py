@@ -74,12 +74,8 @@ class BackendSpec(BaseModel):
     recipes: frozenset[str]
     vendors: frozenset[Literal["cpu", "cuda", "rocm"]]
     archs: tuple[str, ...] = ()
-    dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset(
-        {"bfloat16", "float16", "float32"}
-    )
-    out_dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset(
-        {"bfloat16", "float16", "float32"}
-    )
+    dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset({"bfloat16", "float16", "float32"})
+    out_dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset({"bfloat16", "float16", "float32"})
     mx_formats: frozenset[Literal["e4m3", "e5m2", "e2m1"]] = frozenset()
     m_multiple: int = Field(default=1, ge=1)
     n_multiple: int = Field(default=1, ge=1)
@@ -98,8 +94,7 @@ class BackendSpec(BaseModel):
     def _name_is_identifier(cls, value: str) -> str:
         if not _NAME.match(value):
             raise ValueError(
-                f"backend name {value!r} must be lower-case letters, digits and '_', "
-                "starting with a letter"
+                f"backend name {value!r} must be lower-case letters, digits and '_', starting with a letter"
             )
         return value
 

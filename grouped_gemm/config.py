@@ -167,9 +167,7 @@ class _State:
 
 
 _state = _State()
-_scopes: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar(
-    "grouped_gemm_scopes", default=()
-)
+_scopes: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("grouped_gemm_scopes", default=())
 
 
 def _apply_log_level(level: str | None) -> None:

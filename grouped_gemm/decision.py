@@ -75,9 +75,7 @@ class Decision:
         """One line per skipped backend and the chosen one (warnings, errors)."""
         lines = [f"{c.name}: " + "; ".join(str(r) for r in c.reasons) for c in self.skipped]
         chosen = self.selected or "none"
-        return f"{self.problem}: selected {chosen}" + (
-            "; skipped " + " | ".join(lines) if lines else ""
-        )
+        return f"{self.problem}: selected {chosen}" + ("; skipped " + " | ".join(lines) if lines else "")
 
     def table(self) -> str:
         """The decision as a fixed-width table, every backend with its reasons."""
@@ -87,14 +85,16 @@ class Decision:
         rows = [("rank", "backend", "plugin", "prio", "eligible", "reasons")]
         for rank, c in enumerate(self.candidates, 1):
             mark = "*" if c.name == self.selected else ""
-            rows.append((
-                f"{rank}{mark}",
-                c.name,
-                c.plugin,
-                str(c.priority),
-                "yes" if c.eligible else "no",
-                "; ".join(str(r) for r in c.reasons),
-            ))
+            rows.append(
+                (
+                    f"{rank}{mark}",
+                    c.name,
+                    c.plugin,
+                    str(c.priority),
+                    "yes" if c.eligible else "no",
+                    "; ".join(str(r) for r in c.reasons),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         body = "\n".join(
             ("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5]).rstrip()

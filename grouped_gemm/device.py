@@ -68,15 +68,11 @@ class DeviceInfo:
         return capability in self.capabilities
 
     @classmethod
-    def for_arch(
-        cls, arch: str, *, multiprocessors: int | None = None, name: str | None = None
-    ) -> DeviceInfo:
+    def for_arch(cls, arch: str, *, multiprocessors: int | None = None, name: str | None = None) -> DeviceInfo:
         """A described device of a known arch, for ``explain`` and for tests."""
         key = arch.lower()
         if key not in _ARCH_TABLE:
-            raise InvalidArgumentError(
-                "arch", arch, f"known archs are {', '.join(sorted(_ARCH_TABLE))}"
-            )
+            raise InvalidArgumentError("arch", arch, f"known archs are {', '.join(sorted(_ARCH_TABLE))}")
         vendor, units, caps = _ARCH_TABLE[key]
         return cls(
             vendor=vendor,

@@ -100,14 +100,24 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
         entry, reasons, priority = evaluated[name]
         if strict and names and name not in names:
             reasons = reasons + (Reason("config", "strict mode: not among the named backends"),)
-        candidates.append(Candidate(
-            name=name, plugin=entry.plugin, version=entry.spec.version,
-            priority=priority, preferred=name in names, reasons=reasons,
-        ))
+        candidates.append(
+            Candidate(
+                name=name,
+                plugin=entry.plugin,
+                version=entry.spec.version,
+                priority=priority,
+                preferred=name in names,
+                reasons=reasons,
+            )
+        )
     selected = next((c.name for c in candidates if c.eligible), None)
     decision = Decision(
-        problem=problem, candidates=tuple(candidates), selected=selected,
-        order_source=source, order=tuple(names), strict=strict,
+        problem=problem,
+        candidates=tuple(candidates),
+        selected=selected,
+        order_source=source,
+        order=tuple(names),
+        strict=strict,
     )
     if LOGGER.isEnabledFor(10):
         LOGGER.debug("grouped_gemm decision:\n%s", decision.table())
@@ -162,9 +172,7 @@ class Dispatcher:
         routed = self.route(problem, call_order)
         backend = routed.backend
         if backend is None:
-            raise BackendUnavailableError(
-                f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision
-            )
+            raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
         with self._lock:
             routed.calls += 1
         try:

@@ -17,8 +17,7 @@ def _format_reason(fmt: str, operand: str, spec: BackendSpec) -> Reason | None:
         if fmt[3:] not in spec.mx_formats:
             return Reason(
                 "dtype",
-                f"{operand} is a pre-quantized MX {fmt[3:]} tensor; "
-                f"accepted MX formats: {_listing(spec.mx_formats)}",
+                f"{operand} is a pre-quantized MX {fmt[3:]} tensor; accepted MX formats: {_listing(spec.mx_formats)}",
             )
     elif fmt not in spec.dtypes:
         return Reason("dtype", f"{operand} dtype {fmt} not supported; supports {_listing(spec.dtypes)}")
@@ -54,11 +53,21 @@ def declared_reasons(spec: BackendSpec, problem: Problem) -> list[Reason]:
         add(Reason("shape", f"K={problem.k} is below the minimum {spec.min_k}"))
     if spec.m_multiple > 1:
         if problem.m_align == 0:
-            add(Reason("align", f"needs every group's rows to be a multiple of {spec.m_multiple}; "
-                                "m_splits are on the device and are not read"))
+            add(
+                Reason(
+                    "align",
+                    f"needs every group's rows to be a multiple of {spec.m_multiple}; "
+                    "m_splits are on the device and are not read",
+                )
+            )
         elif problem.m_align % spec.m_multiple:
-            add(Reason("align", f"needs every group's rows to be a multiple of {spec.m_multiple}; "
-                                f"the splits are only multiples of {problem.m_align}"))
+            add(
+                Reason(
+                    "align",
+                    f"needs every group's rows to be a multiple of {spec.m_multiple}; "
+                    f"the splits are only multiples of {problem.m_align}",
+                )
+            )
     if spec.max_groups is not None and problem.groups > spec.max_groups:
         add(Reason("groups", f"G={problem.groups} exceeds the maximum {spec.max_groups}"))
     if spec.host_splits and problem.capturing:

@@ -88,9 +88,7 @@ class BackendRunError(GroupedGemmError, RuntimeError):
     def __init__(self, backend: str, problem: Any, cause: BaseException) -> None:
         self.backend = backend
         self.problem = problem
-        super().__init__(
-            f"backend '{backend}' failed on {problem}: {type(cause).__name__}: {cause}"
-        )
+        super().__init__(f"backend '{backend}' failed on {problem}: {type(cause).__name__}: {cause}")
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -99,10 +97,7 @@ def _short(value: Any, limit: int = 120) -> str:
         import torch
 
         if isinstance(value, torch.Tensor):
-            return (
-                f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, "
-                f"device={value.device})"
-            )
+            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
     text = repr(value)

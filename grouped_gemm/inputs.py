@@ -49,8 +49,6 @@ class GroupedInputs:
         if isinstance(self.m_splits, torch.Tensor):
             ends = torch.cumsum(self.m_splits.to(device), 0).to(dtype)
         else:
-            ends = torch.tensor(
-                list(itertools.accumulate(self.m_splits)), dtype=dtype
-            ).to(device, non_blocking=True)
+            ends = torch.tensor(list(itertools.accumulate(self.m_splits)), dtype=dtype).to(device, non_blocking=True)
         self._offsets[key] = ends
         return ends

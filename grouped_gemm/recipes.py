@@ -69,15 +69,14 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
         )
         if not same:
             raise UnknownRecipeError(
-                "recipe", recipe,
+                "recipe",
+                recipe,
                 f"a built-in recipe ({', '.join(RECIPES)}) with only scale_rule / grad_format changed",
             )
         return recipe
     found = RECIPES.get(recipe) if isinstance(recipe, str) else None
     if found is None:
-        raise UnknownRecipeError(
-            "recipe", recipe, f"known recipes are {', '.join(RECIPES)} (or a gg.Recipe)"
-        )
+        raise UnknownRecipeError("recipe", recipe, f"known recipes are {', '.join(RECIPES)} (or a gg.Recipe)")
     return found
 
 

@@ -52,7 +52,8 @@ class Registry:
         spec = getattr(backend, "spec", None)
         if not isinstance(spec, BackendSpec) or not isinstance(backend, BackendLike):
             raise InvalidTypeError(
-                "backend", backend,
+                "backend",
+                backend,
                 "an object with a BackendSpec `spec` and `check(problem)` / `run(problem, inputs)` methods",
             )
         with self._lock:

@@ -179,7 +179,9 @@ def _resolve_recipe(recipe: str | Recipe | None, a: torch.Tensor, a_arg: str, b:
         for name, t in ((a_arg, a), (b_arg, b)):
             if dtype_name(t.dtype) != resolved.plain_dtype:
                 raise DTypeError(
-                    name, t, f"recipe {resolved.name} takes {resolved.plain_dtype} operands, got {t.dtype} "
+                    name,
+                    t,
+                    f"recipe {resolved.name} takes {resolved.plain_dtype} operands, got {t.dtype} "
                     f"(the dtypes of {a_arg} and {b_arg} must match the recipe)",
                 )
     else:
@@ -220,9 +222,21 @@ _PROBLEM_CACHE_LIMIT = 4096
 
 
 def _problem(
-    op: Op, recipe: Recipe, groups: int, m: int, n: int, k: int,
-    a: Any, b: Any, out_dtype: str, device: torch.device,
-    splits: list[int] | torch.Tensor, host: bool, weight_list: bool, accumulate: bool, contiguous: bool,
+    op: Op,
+    recipe: Recipe,
+    groups: int,
+    m: int,
+    n: int,
+    k: int,
+    a: Any,
+    b: Any,
+    out_dtype: str,
+    device: torch.device,
+    splits: list[int] | torch.Tensor,
+    host: bool,
+    weight_list: bool,
+    accumulate: bool,
+    contiguous: bool,
 ) -> Problem:
     """The Problem for validated arguments, reused across calls with equal fields."""
     cap = _registry.max_m_multiple if _registry._loaded else registry().max_m_multiple
@@ -235,27 +249,63 @@ def _problem(
     info = device_info(device)
     a_dtype = _first(a).dtype
     b_dtype = _first(b).dtype
-    key = (op, recipe.name, recipe.scale_rule, recipe.grad_format, groups, m, n, k, a_dtype, b_dtype,
-           out_dtype, info, host, weight_list, accumulate, contiguous, capturing, m_align)
+    key = (
+        op,
+        recipe.name,
+        recipe.scale_rule,
+        recipe.grad_format,
+        groups,
+        m,
+        n,
+        k,
+        a_dtype,
+        b_dtype,
+        out_dtype,
+        info,
+        host,
+        weight_list,
+        accumulate,
+        contiguous,
+        capturing,
+        m_align,
+    )
     problem = _problems.get(key)
     if problem is None:
         if len(_problems) >= _PROBLEM_CACHE_LIMIT:
             _problems.clear()
         problem = Problem(
-            op=op, recipe=recipe.name, groups=groups, m=m, n=n, k=k,
-            a_format=dtype_name(a_dtype), b_format=dtype_name(b_dtype), out_dtype=out_dtype,
-            device=info, placement="cuda" if on_cuda else "cpu", scale_rule=recipe.scale_rule,
+            op=op,
+            recipe=recipe.name,
+            groups=groups,
+            m=m,
+            n=n,
+            k=k,
+            a_format=dtype_name(a_dtype),
+            b_format=dtype_name(b_dtype),
+            out_dtype=out_dtype,
+            device=info,
+            placement="cuda" if on_cuda else "cpu",
+            scale_rule=recipe.scale_rule,
             grad_format=recipe.grad_format,
-            host_splits=host, weight_list=weight_list, accumulate=accumulate, contiguous=contiguous,
-            capturing=capturing, m_align=m_align,
+            host_splits=host,
+            weight_list=weight_list,
+            accumulate=accumulate,
+            contiguous=contiguous,
+            capturing=capturing,
+            m_align=m_align,
         )
         _problems[key] = problem
     return problem
 
 
 def fwd_or_dgrad(
-    op: Op, a: Any, w: Any, m_splits: Any, recipe: str | Recipe | None,
-    out: Any, out_dtype: torch.dtype | None,
+    op: Op,
+    a: Any,
+    w: Any,
+    m_splits: Any,
+    recipe: str | Recipe | None,
+    out: Any,
+    out_dtype: torch.dtype | None,
 ) -> tuple[Problem, GroupedInputs]:
     """Validate ``fwd`` (a = x, (M, K)) or ``dgrad`` (a = dy, (M, N)) arguments.
 
@@ -306,8 +356,13 @@ def fwd_or_dgrad(
 
 
 def wgrad(
-    dy: Any, x: Any, m_splits: Any, recipe: str | Recipe | None,
-    out: Any, out_dtype: torch.dtype | None, accumulate: bool,
+    dy: Any,
+    x: Any,
+    m_splits: Any,
+    recipe: str | Recipe | None,
+    out: Any,
+    out_dtype: torch.dtype | None,
+    accumulate: bool,
 ) -> tuple[Problem, GroupedInputs]:
     """Validate ``wgrad`` arguments: dy (M, N), x (M, K), out (G, N, K) or G x (N, K)."""
     _tensor(dy, "dy", 2, "(M, N)")
@@ -344,7 +399,20 @@ def wgrad(
         raise InvalidArgumentError("accumulate", True, "accumulate=True needs out= (the buffer to add into)")
     odt = _out_dtype(out_dtype, out, dy.dtype)
     problem = _problem(
-        "wgrad", resolved, groups, m, n, k, dy, x, odt, device, splits, host, is_list, accumulate,
+        "wgrad",
+        resolved,
+        groups,
+        m,
+        n,
+        k,
+        dy,
+        x,
+        odt,
+        device,
+        splits,
+        host,
+        is_list,
+        accumulate,
         _contiguous(dy, x),
     )
     return problem, GroupedInputs(a=dy, b=x, m_splits=splits, out=list(out) if is_list else out)
