@@ -35,3 +35,50 @@ def gen() -> torch.Generator:
 @pytest.fixture
 def gpu_device() -> torch.device:
     return torch.device("cuda")
+
+
+class FakeBackend(gg.Backend):
+    """A backend for dispatch tests: computes with torch per group and records its calls."""
+
+    def __init__(self, spec: gg.BackendSpec, reasons: list[gg.Reason] | None = None) -> None:
+        self.spec = spec
+        self.reasons = reasons or []
+        self.checks = 0
+        self.runs = 0
+
+    def check(self, problem: gg.Problem) -> list[gg.Reason]:
+        self.checks += 1
+        return list(self.reasons)
+
+    def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
+        self.runs += 1
+        splits = inputs.splits_list()
+        w = inputs.b
+        out = inputs.out if inputs.out is not None else torch.empty(problem.m, problem.n, dtype=inputs.a.dtype)
+        start = 0
+        for g, rows in enumerate(splits):
+            out[start : start + rows] = inputs.a[start : start + rows] @ w[g].T
+            start += rows
+        return out
+
+
+@pytest.fixture
+def make_backend():
+    """Register fake fwd backends for one test: ``make_backend("a", priority=5, ...)``."""
+    made: list[str] = []
+
+    def make(name: str, *, reasons: list[gg.Reason] | None = None, **fields) -> FakeBackend:
+        defaults = dict(
+            name=name,
+            ops=frozenset({"fwd"}),
+            recipes=frozenset({"fp32", "bf16"}),
+            vendors=frozenset({"cpu", "cuda", "rocm"}),
+        )
+        backend = FakeBackend(gg.BackendSpec(**{**defaults, **fields}), reasons)
+        gg.register_backend(backend)
+        made.append(name)
+        return backend
+
+    yield make
+    for name in made:
+        gg.unregister_backend(name)

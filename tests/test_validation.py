@@ -1,0 +1,161 @@
+"""Every bad input gets a clear error naming the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+
+
+@pytest.fixture
+def fwd_args(gen):
+    x = torch.randn(10, 32, generator=gen)
+    w = torch.randn(3, 16, 32, generator=gen)
+    return x, w, [3, 0, 7]
+
+
+@pytest.mark.parametrize(
+    ("splits", "error", "text"),
+    [
+        ([3, -1, 8], gg.SplitsError, "m_splits[1]=-1"),
+        ([3, 0, 6], gg.SplitsError, "sum to 9"),
+        ([3, 7], gg.SplitsError, "expected 3, got 2"),
+        ([3.0, 0, 7], gg.SplitsError, "m_splits[0]=3.0 is a float"),
+        ([True, 2, 7], gg.SplitsError, "is a bool"),
+        (["3", 0, 7], gg.SplitsError, "is a str"),
+        ("3,0,7", gg.InvalidTypeError, "list/tuple of ints"),
+        (torch.tensor([3.0, 0.0, 7.0]), gg.SplitsError, "integer tensor"),
+        (torch.tensor([[3, 0, 7]]), gg.SplitsError, "1-D"),
+        (torch.tensor([3, 7]), gg.SplitsError, "expected 3, got 2"),
+        (torch.tensor([3, -1, 8]), gg.SplitsError, "m_splits[1]=-1"),
+    ],
+)
+def test_bad_splits(fwd_args, splits, error, text):
+    x, w, _ = fwd_args
+    with pytest.raises(error) as info:
+        gg.grouped_gemm(x, w, splits)
+    assert "m_splits" in str(info.value)
+    assert text in str(info.value)
+
+
+def test_error_classes_are_value_and_type_errors():
+    assert issubclass(gg.SplitsError, ValueError)
+    assert issubclass(gg.ShapeError, ValueError)
+    assert issubclass(gg.DeviceMismatchError, ValueError)
+    assert issubclass(gg.UnknownRecipeError, ValueError)
+    assert issubclass(gg.UnknownBackendError, ValueError)
+    assert issubclass(gg.DTypeError, TypeError)
+    assert issubclass(gg.InvalidTypeError, TypeError)
+
+
+def test_wrong_ndim(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.ShapeError, match=r"x=.*2-D tensor of shape \(M, K\), got 3-D"):
+        gg.grouped_gemm(x[None], w, s)
+    with pytest.raises(gg.ShapeError, match=r"w=.*3-D tensor of shape \(G, N, K\), got 2-D"):
+        gg.grouped_gemm(x, w[0], s)
+    with pytest.raises(gg.InvalidTypeError, match=r"x=.*torch.Tensor"):
+        gg.grouped_gemm(x.tolist(), w, s)
+
+
+def test_k_mismatch(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.ShapeError, match=r"x=.*K=32 to match w \(3, 16, 32\)"):
+        gg.grouped_gemm(x[:, :31], w, s)
+    dy = torch.randn(10, 15)
+    with pytest.raises(gg.ShapeError, match=r"dy=.*N=16"):
+        gg.grouped_gemm_dgrad(dy, w, s)
+
+
+def test_dtype_mismatch_between_x_and_w(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.DTypeError, match=r"w=.*dtype torch.bfloat16, the dtype of x"):
+        gg.grouped_gemm(x.bfloat16(), w, s)
+
+
+def test_dtype_against_recipe(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.DTypeError, match="recipe bf16 takes bfloat16"):
+        gg.grouped_gemm(x, w, s, recipe="bf16")
+    with pytest.raises(gg.DTypeError, match="dtype bfloat16, float16 or float32"):
+        gg.grouped_gemm(x.double(), w.double(), s)
+
+
+def test_operands_on_different_devices(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.DeviceMismatchError, match=r"w=.*device=meta.*on cpu"):
+        gg.grouped_gemm(x, w.to("meta"), s)
+    with pytest.raises(gg.DeviceMismatchError, match=r"x=.*on cpu"):
+        gg.grouped_gemm_wgrad(torch.randn(10, 16), x.to("meta"), s)
+
+
+def test_weight_list_must_agree(fwd_args):
+    x, w, s = fwd_args
+    ws = list(w)
+    with pytest.raises(gg.ShapeError, match=r"w\[2\]"):
+        gg.grouped_gemm(x, [*ws[:2], ws[2][:, :8]], s)
+    with pytest.raises(gg.DTypeError, match=r"w\[1\]"):
+        gg.grouped_gemm(x, [ws[0], ws[1].double(), ws[2]], s)
+    with pytest.raises(gg.InvalidTypeError, match="non-empty list"):
+        gg.grouped_gemm(x, [], s)
+
+
+def test_zero_groups_rejected():
+    with pytest.raises(gg.ShapeError, match="at least one group"):
+        gg.grouped_gemm(torch.randn(0, 4), torch.randn(0, 4, 4), [])
+    with pytest.raises(gg.SplitsError, match="at least one group"):
+        gg.grouped_gemm_wgrad(torch.randn(0, 4), torch.randn(0, 4), [])
+
+
+def test_bad_out(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.ShapeError, match=r"out=.*shape \(M, N\)=\(10, 16\)"):
+        gg.grouped_gemm(x, w, s, out=torch.empty(10, 17))
+    with pytest.raises(gg.DTypeError, match=r"out=.*out_dtype=torch.float16"):
+        gg.grouped_gemm(x, w, s, out=torch.empty(10, 16), out_dtype=torch.float16)
+    with pytest.raises(gg.DTypeError, match=r"out=.*bfloat16, float16 or float32"):
+        gg.grouped_gemm(x, w, s, out=torch.empty(10, 16, dtype=torch.float64))
+    with pytest.raises(gg.DeviceMismatchError, match=r"out=.*on cpu"):
+        gg.grouped_gemm(x, w, s, out=torch.empty(10, 16, device="meta"))
+    with pytest.raises(gg.InvalidArgumentError, match=r"out=.*contiguous"):
+        gg.grouped_gemm(x, w, s, out=torch.empty(16, 10).T)
+    with pytest.raises(gg.DTypeError, match="out_dtype"):
+        gg.grouped_gemm(x, w, s, out_dtype=torch.int32)
+
+
+def test_wgrad_out_and_accumulate(gen):
+    dy, x = torch.randn(10, 16, generator=gen), torch.randn(10, 32, generator=gen)
+    with pytest.raises(gg.InvalidArgumentError, match="accumulate=True needs out="):
+        gg.grouped_gemm_wgrad(dy, x, [3, 7], accumulate=True)
+    with pytest.raises(gg.ShapeError, match=r"out=.*\(G, N, K\)=\(2, 16, 32\)"):
+        gg.grouped_gemm_wgrad(dy, x, [3, 7], out=torch.empty(3, 16, 32))
+    with pytest.raises(gg.ShapeError, match=r"out=.*G=2 tensors of shape \(N, K\)=\(16, 32\)"):
+        gg.grouped_gemm_wgrad(dy, x, [3, 7], out=[torch.empty(16, 32)] * 3)
+    with pytest.raises(gg.ShapeError, match=r"x=.*M=10 rows like dy"):
+        gg.grouped_gemm_wgrad(dy, x[:9], [3, 7])
+    with pytest.raises(gg.InvalidTypeError, match="accumulate"):
+        gg.grouped_gemm_wgrad(dy, x, [3, 7], out=torch.empty(2, 16, 32), accumulate="yes")
+
+
+def test_unknown_recipe_and_backend(fwd_args):
+    x, w, s = fwd_args
+    with pytest.raises(gg.UnknownRecipeError, match=r"recipe='fp8'.*known recipes are bf16"):
+        gg.grouped_gemm(x, w, s, recipe="fp8")
+    with pytest.raises(gg.UnknownBackendError, match=r"backend='nope'.*registered backends are .*reference"):
+        gg.grouped_gemm(x, w, s, backend="nope")
+
+
+def test_recipe_object_may_change_only_scale_rule_and_grad_format():
+    custom = gg.get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})
+    assert gg.get_recipe(custom) is custom
+    with pytest.raises(gg.UnknownRecipeError, match="only scale_rule / grad_format"):
+        gg.get_recipe(gg.get_recipe("mxfp8").model_copy(update={"act_format": "e2m1"}))
+
+
+def test_errors_name_argument_value_and_allowed():
+    err = gg.SplitsError("m_splits", [1, -2], "non-negative group sizes")
+    assert err.argument == "m_splits"
+    assert err.value == [1, -2]
+    assert err.allowed == "non-negative group sizes"
+    assert str(err) == "m_splits=[1, -2] is invalid: non-negative group sizes"
