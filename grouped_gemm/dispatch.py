@@ -45,12 +45,12 @@ def _evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
     reasons = declared_reasons(entry.spec, problem)
     try:
         reasons += list(entry.backend.check(problem))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a broken check() must not break dispatch
         reasons.append(Reason("missing", f"check() raised {type(exc).__name__}: {exc}"))
     priority_of = getattr(entry.backend, "priority", None)
     try:
         priority = int(priority_of(problem)) if callable(priority_of) else entry.spec.priority
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - nor a broken priority()
         priority = entry.spec.priority
         reasons.append(Reason("missing", f"priority() raised {type(exc).__name__}: {exc}"))
     return tuple(reasons), priority

@@ -72,7 +72,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
     for name in DEFAULT_PLUGINS:
         try:
             loaded.append((name, importlib.import_module(name)))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any import error is reported, not raised
             failures.append(_failure(name, "import", exc))
     if plugin_autoload_disabled():
         return loaded, failures
@@ -80,7 +80,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
         label = f"{ep.name} ({ep.value})"
         try:
             loaded.append((label, ep.load()))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - likewise for third-party plugins
             failures.append(_failure(label, "import", exc))
     return loaded, failures
 
@@ -98,7 +98,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
             continue
         try:
             manager.register(module, name=name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - e.g. a hookimpl with a wrong signature
             failures.append(_failure(name, "register", exc))
     for impl in manager.hook.grouped_gemm_backends.get_hookimpls():
         name = impl.plugin_name
@@ -106,7 +106,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
         def add(backend: Any, _plugin: str = name) -> None:
             try:
                 register(backend, _plugin)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a rejected backend spares the rest
                 failures.append(_failure(_plugin, "register backend", exc))
 
         try:
@@ -114,6 +114,6 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
             returned = impl.function(**kwargs)
             for backend in returned or ():
                 add(backend)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing hook spares the other plugins
             failures.append(_failure(name, "backends", exc))
     return failures
