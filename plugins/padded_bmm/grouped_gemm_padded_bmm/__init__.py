@@ -92,7 +92,8 @@ class PaddedBmmBackend(gg.Backend):
             return out
         w = inputs.b
         rhs = w.transpose(1, 2) if problem.op == "fwd" else w
-        result = torch.bmm(padded(a), rhs).view(groups * capacity, -1).index_select(0, index)
+        cols = problem.n if problem.op == "fwd" else problem.k
+        result = torch.bmm(padded(a), rhs).view(groups * capacity, cols).index_select(0, index)
         return result.to(out_dtype)
 
 
