@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import grouped_gemm as gg
-
 HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    # Without a GPU, Triton kernels run in Triton's CPU interpreter. The flag is read when
+    # kernels are decorated, so it is set before grouped_gemm (and its backends) import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import grouped_gemm as gg  # noqa: E402 - must follow the interpreter switch above
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
