@@ -39,6 +39,15 @@ def test_device_split_path_pads_to_capacity(gen, monkeypatch):
     assert rel_error(backend.run(problem, inputs), ref_fwd(x, w, splits)) < 1e-5
 
 
+def test_fp32_accumulation_of_bf16_inputs_is_not_rounded_to_bf16(gen):
+    splits = [40, 0, 24]
+    dy = torch.randn(64, 16, generator=gen).bfloat16()
+    x = torch.randn(64, 32, generator=gen).bfloat16()
+    main = torch.zeros(3, 16, 32)
+    gg.grouped_gemm_wgrad(dy, x, splits, out=main, accumulate=True, backend="padded_bmm")
+    assert rel_error(main, ref_wgrad(dy, x, splits)) < 1e-6
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_bad_capacity_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(padded.CAPACITY_ENV, value)

@@ -74,12 +74,16 @@ class PaddedBmmBackend(gg.Backend):
         index = _row_map(inputs, problem.m, capacity, device)
         groups = problem.groups
 
+        out_dtype = _DTYPES[problem.out_dtype]
+        # An fp32 result (e.g. accumulating into an fp32 main_grad) is computed in fp32, so
+        # bf16/fp16 inputs are not rounded to their own precision on the way.
+        compute = torch.float32 if out_dtype == torch.float32 else a.dtype
+
         def padded(t: torch.Tensor) -> torch.Tensor:
-            buf = t.new_zeros(groups * capacity, t.shape[1])
-            buf.index_copy_(0, index, t)
+            buf = t.new_zeros(groups * capacity, t.shape[1], dtype=compute)
+            buf.index_copy_(0, index, t.to(compute))
             return buf.view(groups, capacity, t.shape[1])
 
-        out_dtype = _DTYPES[problem.out_dtype]
         if problem.op == "wgrad":
             grad = torch.bmm(padded(a).transpose(1, 2), padded(inputs.b))
             out = inputs.out
@@ -90,7 +94,7 @@ class PaddedBmmBackend(gg.Backend):
             else:
                 out.copy_(grad)
             return out
-        w = inputs.b
+        w = inputs.b.to(compute)
         rhs = w.transpose(1, 2) if problem.op == "fwd" else w
         cols = problem.n if problem.op == "fwd" else problem.k
         result = torch.bmm(padded(a), rhs).view(groups * capacity, cols).index_select(0, index)
