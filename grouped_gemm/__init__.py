@@ -44,6 +44,7 @@ from grouped_gemm.errors import (
     UnknownRecipeError,
 )
 from grouped_gemm.inputs import GroupedInputs
+from grouped_gemm.mx import MXTensor, quantize_mx
 from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
@@ -70,6 +71,7 @@ __all__ = [
     "GroupedInputs",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "MXTensor",
     "Problem",
     "Reason",
     "Recipe",
@@ -90,6 +92,7 @@ __all__ = [
     "hookimpl",
     "list_backends",
     "plugin_failures",
+    "quantize_mx",
     "register_backend",
     "reset_config",
     "reset_dispatch_stats",

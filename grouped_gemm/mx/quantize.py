@@ -1,0 +1,77 @@
+"""``quantize_mx``: argument checks, then the torch quantizer (CPU) or the Triton one (GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
+from grouped_gemm.mx import torch_quantizer
+from grouped_gemm.mx.formats import BLOCK_SIZE, BLOCK_SIZES, FORMATS, INPUT_DTYPES, SCALE_RULES, MXFormat
+from grouped_gemm.mx.tensor import MXTensor
+
+
+def check_args(
+    t: object, fmt: object, axis: object, scale_rule: object, block_size: object, pad: object
+) -> tuple[MXFormat, int, int]:
+    """(format, non-negative axis, zeros to append) for valid arguments, else a clear error."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError("t", t, "a torch.Tensor")
+    if t.dtype not in INPUT_DTYPES:
+        raise DTypeError("t", t, "dtype torch.float32, torch.bfloat16 or torch.float16")
+    f = FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if f is None:
+        raise InvalidArgumentError("fmt", fmt, f"one of {', '.join(FORMATS)}")
+    if scale_rule not in SCALE_RULES:
+        raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)}")
+    if block_size not in BLOCK_SIZES or isinstance(block_size, bool):
+        raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
+    if not isinstance(pad, bool):
+        raise InvalidTypeError("pad", pad, "True or False")
+    ndim = t.dim()
+    if ndim == 0:
+        raise ShapeError("t", t, "a tensor with at least one dimension (the block axis)")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise InvalidArgumentError("axis", axis, f"an int in [-{ndim}, {ndim}) for a {ndim}-D tensor")
+    axis %= ndim
+    length = t.shape[axis]
+    missing = -length % block_size
+    if missing and not pad:
+        raise ShapeError(
+            "t",
+            t,
+            f"axis {axis} length {length} must be a multiple of block_size={block_size} (or pass pad=True to "
+            "append zeros)",
+        )
+    return f, axis, missing
+
+
+def quantize_mx(
+    t: torch.Tensor,
+    fmt: str,
+    *,
+    axis: int = -1,
+    scale_rule: str = "rceil",
+    block_size: int = BLOCK_SIZE,
+    pad: bool = False,
+) -> MXTensor:
+    """Quantize ``t`` (fp32 / bf16 / fp16, any leading dims) to MX format ``fmt`` in blocks
+    of ``block_size`` along ``axis``.
+
+    ``fmt`` is ``"e4m3"``, ``"e5m2"`` or ``"e2m1"``; ``scale_rule`` picks the E8M0 scale:
+
+    - ``"rceil"`` (default, NVIDIA's rule): the smallest power of two >= ``amax / max_elem``
+      (max_elem 448, 57344, 6), the quotient taken in fp32; quotients <= 2^-127 give byte 0.
+    - ``"floor"`` (OCP MX v1.0): ``2^(floor(log2(amax)) - emax_elem)`` (emax_elem 8, 15, 2),
+      exponent clamped to [-127, 127].
+    - ``"even"`` (AMD Quark): amax rounded to mantissa-bits + 1 significant bits, ties up,
+      then ``floor``.
+
+    Elements are ``x / scale`` (an exact power-of-two multiply) rounded to nearest even and
+    saturated to ±max_elem. A zero block gets scale byte 0 and zero elements; a block
+    holding NaN or Inf gets scale byte 0xFF (NaN on decode) and zero elements. The block
+    axis length must be a multiple of ``block_size`` unless ``pad=True``, which appends
+    zeros (recorded in ``MXTensor.pad``). CUDA / ROCm tensors use a fused Triton kernel,
+    bit-identical to the torch implementation used on the CPU. See docs/mx_formats.md.
+    """
+    f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
+    return torch_quantizer.quantize(t, f, axis, scale_rule, block_size, missing)
