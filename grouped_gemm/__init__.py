@@ -7,6 +7,7 @@ dw = gg.grouped_gemm_wgrad(dy, x, m_splits)    # wgrad: dw_g  = dy_g.T @ x_g
 print(gg.explain(x, w, m_splits))              # which backend, and why not the others
 """
 
+from grouped_gemm import ops
 from grouped_gemm.api import (
     BackendInfo,
     configure,
@@ -23,6 +24,7 @@ from grouped_gemm.api import (
     unregister_backend,
     use_backends,
 )
+from grouped_gemm.autograd import grouped_linear
 from grouped_gemm.backend import Backend, BackendSpec, Reason
 from grouped_gemm.config import Settings, reset_config, settings
 from grouped_gemm.decision import Candidate, Decision
@@ -45,6 +47,7 @@ from grouped_gemm.errors import (
 )
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor, quantize_mx
+from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
@@ -69,6 +72,7 @@ __all__ = [
     "FallbackWarning",
     "GroupedGemmError",
     "GroupedInputs",
+    "GroupedLinear",
     "InvalidArgumentError",
     "InvalidTypeError",
     "MXTensor",
@@ -89,8 +93,10 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_dgrad",
     "grouped_gemm_wgrad",
+    "grouped_linear",
     "hookimpl",
     "list_backends",
+    "ops",
     "plugin_failures",
     "quantize_mx",
     "register_backend",
