@@ -297,3 +297,34 @@ def test_not_in_the_running_is_not_a_fallback(args, make_backend, trio):
     assert decision.selected == "hi"
     assert not decision.fallback
     assert decision.candidate("gpu_only").reasons[0].code == "vendor"
+
+
+def test_scopes_are_local_to_asyncio_tasks(args, trio):
+    import asyncio
+
+    async def task(name: str) -> str:
+        with gg.use_backends(name):
+            await asyncio.sleep(0.01)
+            return selected(args)
+
+    async def both() -> list[str]:
+        return await asyncio.gather(task("lo"), task("mid"))
+
+    assert asyncio.run(both()) == ["lo", "mid"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_dispatch_works_in_a_forked_child(args, trio):
+    import os
+
+    x, w, s = args
+    gg.grouped_gemm(x, w, s)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = rel_error(gg.grouped_gemm(x, w, s), ref_fwd(x, w, s)) < 1e-6
+            os._exit(0 if ok and gg.dispatch_stats()["calls"] >= 1 else 1)
+        except BaseException:  # noqa: BLE001 - a forked child must never return into pytest
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
