@@ -1,0 +1,149 @@
+"""``grouped-gemm bench``: its arguments, and the run from them to table, JSON and plot.
+
+Exit status: 0 when every timed backend ran and passed its accuracy check, 1 when any
+result was wrong or a backend raised (the table and JSON are written either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm.bench import ceilings, environment, plot, report
+from grouped_gemm.bench.progress import Progress
+from grouped_gemm.bench.runner import BenchOptions, Sweep
+from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
+from grouped_gemm.bench.timing import TimingPlan
+from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.problem import OPS
+
+# A GPU sweep's defaults keep the 72-problem bf16 sweep within a few minutes on an H200;
+# the CPU defaults keep a smoke run within seconds.
+_GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=100.0, min_reps=5, max_reps=200)
+_CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", default="all", help="'all' or comma-separated case names of moe_shapes.json")
+    p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated: fwd, dgrad, wgrad")
+    p.add_argument("--splits", default="balanced,skewed", help="comma-separated: balanced, skewed")
+    p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
+    p.add_argument(
+        "--backends",
+        default="eligible",
+        help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
+    )
+    p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--warmup-ms", type=float, help="warm-up per measurement (GPU default 25, CPU 2)")
+    p.add_argument("--rep-ms", type=float, help="timed calls per measurement, in ms (GPU default 100, CPU 20)")
+    p.add_argument("--min-reps", type=int, help="at least this many timed calls (GPU default 5, CPU 3)")
+    p.add_argument("--max-reps", type=int, help="at most this many timed calls (GPU default 200, CPU 20)")
+    p.add_argument("--no-verify", action="store_true", help="skip the accuracy check of each output")
+    p.add_argument("--no-peer", action="store_true", help="do not time torch._grouped_mm")
+    p.add_argument("--prequantized-weights", action="store_true", help="MX recipes: pass weights as gg.MXTensor")
+    p.add_argument("--device-splits", action="store_true", help="pass m_splits as a device tensor")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    p.add_argument("--out", type=Path, help="write the JSON record here")
+    p.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--markdown", type=Path, help="write a Markdown table for docs/performance.md here")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
+    return torch.device(choice)
+
+
+def _plan(args: argparse.Namespace, device: torch.device) -> TimingPlan:
+    base = _GPU_PLAN if device.type == "cuda" else _CPU_PLAN
+    plan = TimingPlan(
+        warmup_ms=base.warmup_ms if args.warmup_ms is None else args.warmup_ms,
+        rep_ms=base.rep_ms if args.rep_ms is None else args.rep_ms,
+        min_reps=base.min_reps if args.min_reps is None else args.min_reps,
+        max_reps=base.max_reps if args.max_reps is None else args.max_reps,
+    )
+    for name in ("warmup_ms", "rep_ms"):
+        if not getattr(plan, name) >= 0:
+            raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a number >= 0")
+    if plan.min_reps < 1 or plan.max_reps < plan.min_reps:
+        raise InvalidArgumentError("min-reps/max-reps", (plan.min_reps, plan.max_reps), "1 <= min-reps <= max-reps")
+    return plan
+
+
+def _backends(value: str) -> str | tuple[str, ...]:
+    if value.strip() in ("eligible", "all"):
+        return value.strip()
+    known = tuple(b.name for b in gg.list_backends())
+    return tuple(parse_list(value, "backends", known))
+
+
+def options(args: argparse.Namespace) -> BenchOptions:
+    """Validated options; every bad value raises naming the argument and what is allowed."""
+    device = _device(args.device)
+    return BenchOptions(
+        cases=tuple(select_cases(args.cases, args.scale)),
+        ops=tuple(parse_list(args.ops, "ops", OPS)),
+        splits=tuple(parse_list(args.splits, "splits", SPLIT_KINDS)),
+        recipes=tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES))),
+        backends=_backends(args.backends),
+        device=device,
+        plan=_plan(args, device),
+        verify=not args.no_verify,
+        peer=not args.no_peer,
+        prequantized_weights=args.prequantized_weights,
+        device_splits=args.device_splits,
+        seed=args.seed,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``grouped-gemm bench``."""
+    opts = options(args)
+    plot_missing = plot.missing() if args.plot else None
+    if plot_missing:
+        print(f"grouped-gemm bench: --plot: {plot_missing}", file=sys.stderr)
+    started = time.perf_counter()
+    env = environment.describe(opts.device)
+    kinds = {ceilings.matmul_kind(r) for r in opts.recipes} | {"bf16"}
+    measured = ceilings.measure(kinds, opts.device)
+    print(report.header(env, measured, opts))
+    print(
+        f"running: {len(opts.cases)} case(s) x {len(opts.splits)} split(s) x {len(opts.recipes)} recipe(s) x "
+        f"{len(opts.ops)} op(s) = {opts.problems} problems; backends: "
+        + (opts.backends if isinstance(opts.backends, str) else ", ".join(opts.backends))
+        + ("; peer torch._grouped_mm bf16" if opts.peer else "")
+    )
+    sys.stdout.flush()
+    progress = Progress(opts.problems, enabled=not args.quiet)
+    result = Sweep(opts, measured, progress).run()
+    elapsed = time.perf_counter() - started
+    print()
+    print(report.table(result.rows))
+    issues = report.problems_with_issues(result.rows)
+    for line in issues + report.ineligible_summary(result.ineligible):
+        print(line)
+    doc = report.document(opts, env, measured, result, elapsed)
+    if args.out:
+        report.write_json(args.out, doc)
+        print(f"wrote {args.out}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report.markdown(result.rows, env, measured), encoding="utf-8")
+        print(f"wrote {args.markdown}")
+    if args.plot and not plot_missing:
+        plot.write_png(result.rows, args.plot, f"{env['device']['name']} {env['date']}")
+        print(f"wrote {args.plot}")
+    elif plot_missing:
+        print(f"no plot: {plot_missing}", file=sys.stderr)
+    print(f"bench finished in {elapsed:.1f} s")
+    failed = any(r.status in ("wrong", "error") for r in result.rows)
+    return 1 if failed else 0

@@ -1,0 +1,48 @@
+"""A dependency-free progress line on stderr for long sweeps.
+
+On a terminal the line is redrawn in place; in a log (not a TTY) each step is its own
+line, so a run's log shows where it was when it stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """``step(label)`` before each of ``total`` units of work; ``close()`` at the end."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.done = 0
+        self.started = time.perf_counter()
+        self.inline = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def _eta(self) -> str:
+        if not self.done:
+            return "eta ?"
+        left = (time.perf_counter() - self.started) / self.done * (self.total - self.done)
+        return f"eta {int(left // 60)}m{int(left % 60):02d}s"
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        width = len(str(self.total))
+        line = f"[{self.done + 1:>{width}}/{self.total}] {self._eta()}  {label}"
+        if self.inline:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.started
+        self.stream.write(("\r\033[K" if self.inline else "") + f"done: {self.done} steps in {elapsed:.1f} s\n")
+        self.stream.flush()
