@@ -1,4 +1,4 @@
-"""``grouped-gemm`` (also ``python -m grouped_gemm``): inspect backends and decisions."""
+"""``grouped-gemm`` (also ``python -m grouped_gemm``): inspect backends and decisions, check, benchmark."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 
 import grouped_gemm as gg
+from grouped_gemm import check
+from grouped_gemm.bench import command as bench
 from grouped_gemm.device import known_archs
 from grouped_gemm.problem import OPS
 
@@ -80,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-splits", action="store_true", help="m_splits live on the device")
     p.add_argument("--accumulate", action="store_true", help="wgrad accumulating into an existing buffer")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("bench", help="time every eligible backend against torch._grouped_mm on the MoE shapes")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run_command)
+
+    p = sub.add_parser("check", help="check every backend that runs here against the reference (pass/fail)")
+    check.add_arguments(p)
+    p.set_defaults(func=check.run_command)
     return parser
 
 
