@@ -33,7 +33,11 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check(a: Any, b: Any, batch_sizes: Any, trans_b: Any) -> None:
-    """Errors in the drop-in's own argument names (a, b, batch_sizes, trans_b)."""
+    """Errors in the drop-in's own argument names (a, b, batch_sizes, trans_b).
+
+    Host batch sizes are read here in eager mode only: under ``torch.compile`` reading them
+    would break the graph, and the dispatcher checks them when the op runs.
+    """
     if not isinstance(trans_b, bool):
         raise InvalidTypeError("trans_b", trans_b, "True or False")
     if not isinstance(a, torch.Tensor) or a.dim() != 2:
@@ -53,9 +57,9 @@ def _check(a: Any, b: Any, batch_sizes: Any, trans_b: Any) -> None:
             raise SplitsError("batch_sizes", batch_sizes, "a 1-D int64 (or int32) tensor, one entry per group")
         if batch_sizes.numel() != b.shape[0]:
             raise SplitsError("batch_sizes", batch_sizes, f"{b.shape[0]} entries, one per group of b")
-        if batch_sizes.device.type == "cpu":
+        if batch_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
             sizes = batch_sizes.tolist()
-            if min(sizes, default=0) < 0 or sum(sizes) != a.shape[0]:
+            if min(sizes) < 0 or sum(sizes) != a.shape[0]:
                 raise SplitsError("batch_sizes", sizes, f"non-negative group sizes summing to a.shape[0]={a.shape[0]}")
     elif not isinstance(batch_sizes, (list, tuple)):
         raise InvalidTypeError("batch_sizes", batch_sizes, "a 1-D int64 CPU tensor (or a list of ints)")
