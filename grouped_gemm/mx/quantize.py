@@ -74,4 +74,8 @@ def quantize_mx(
     bit-identical to the torch implementation used on the CPU. See docs/mx_formats.md.
     """
     f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
+    if t.device.type == "cuda":  # CUDA and ROCm
+        from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
+
+        return triton_quantizer.quantize(t, f, axis, scale_rule, block_size, missing)
     return torch_quantizer.quantize(t, f, axis, scale_rule, block_size, missing)

@@ -157,16 +157,18 @@ class MXTensor:
         return dataclasses.replace(self, data=self.data.to(device), scale=self.scale.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The logical tensor: ``element * 2^(scale - 127)``, computed in fp32 (exact for
-        every scale an MX quantizer produces) and rounded once to ``dtype``. Blocks with
-        scale 0xFF decode to NaN; padding is dropped."""
+        """The logical tensor: ``element * 2^(scale - 127)``, computed in fp32 (float64 for
+        ``dtype=torch.float64``) and rounded once to ``dtype``. Blocks with scale 0xFF
+        decode to NaN; padding is dropped. The fp32 product is exact except where it
+        overflows: an element rounded up next to FLT_MAX can be 2^128 (Inf in fp32)."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise DTypeError("dtype", dtype, "torch.float32, torch.bfloat16, torch.float16 or torch.float64")
         fmt = FORMATS[self.fmt]
-        values = decode_elements(self.data.movedim(self.axis, -1), fmt)
-        scales = decode_scales(self.scale.movedim(self.axis, -1))
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        values = decode_elements(self.data.movedim(self.axis, -1), fmt).to(compute)
+        scales = decode_scales(self.scale.movedim(self.axis, -1)).to(compute)
         blocks = values.reshape(*scales.shape, self.block_size) * scales.unsqueeze(-1)
-        out = blocks.reshape(*values.shape[:-1], -1)[..., : self.shape[self.axis]]
+        out = blocks.reshape(values.shape)[..., : self.shape[self.axis]]
         return out.movedim(-1, self.axis).to(dtype)
 
     @classmethod

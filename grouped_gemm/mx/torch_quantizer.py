@@ -86,7 +86,7 @@ def quantize(t: torch.Tensor, fmt: MXFormat, axis: int, rule: str, block_size: i
     scale = torch.where(nonfinite, E8M0_NAN, exp + E8M0_BIAS).to(torch.uint8)
     inv_scale = ((E8M0_BIAS - exp) << 23).view(torch.float32)  # 2^-exp, a normal fp32 for every exp used
     v = torch.where(nonfinite.unsqueeze(-1), 0.0, blocks * inv_scale.unsqueeze(-1))
-    v = v.reshape(*lead, -1)
+    v = v.reshape(*lead, x.shape[-1])
     if fmt.name == "e2m1":
         data = pack_e2m1(encode_e2m1(v))
     else:

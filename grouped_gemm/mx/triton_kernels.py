@@ -1,0 +1,183 @@
+"""Triton kernels of the fused MX quantizer (launched by ``triton_quantizer``).
+
+Every rule is written on integer fp32 bits, exactly as in ``torch_quantizer`` (see there
+for the rules), and elements round to nearest even by integer shifts:
+
+- ``quantize_last``: blocks along a contiguous last axis; a tile is ``(rows, blocks, B)``.
+- ``quantize_strided``: blocks along an axis followed by contiguous elements
+  (``(outer, L, inner)``); a tile is ``(blocks, B, inner)``. It can read its rows through
+  a row map (-1 = a zero row): the grouped helpers use that to pad each group's rows to a
+  multiple of 32 without materializing a padded copy.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scale_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr):
+    """Unbiased E8M0 exponent from fp32 amax bits (see torch_quantizer.scale_exponent)."""
+    e_field = amax >> 23
+    if RULE == 0:  # floor
+        exp = e_field - 127 - EMAX
+    elif RULE == 1:  # rceil
+        mant = amax & 0x7FFFFF
+        exp = e_field - 127 - EMAX + (mant > MAX_MANT).to(tl.int32)
+        exp = tl.where((exp == -126) & (mant == MAX_MANT + 1), -127, exp)
+        exp = tl.where(e_field == 0, -127, exp)
+    else:  # even
+        rounded = tl.minimum(amax, 0x7F7FFFFF) + (1 << (22 - MBITS))
+        exp = (rounded >> 23) - 127 - EMAX
+    return tl.minimum(tl.maximum(exp, -127), 127)
+
+
+@triton.jit
+def _widen(raw, BF16_BITS: tl.constexpr):
+    """Loaded input -> fp32. bf16 arrives as its int16 bits and widens by a shift (exact
+    for subnormals too, which Triton's interpreter flushes when it converts bf16)."""
+    if BF16_BITS:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _encode(v, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, NBITS: tl.constexpr):
+    """fp32 values -> element codes (int32, sign in bit NBITS-1): saturate to max, then
+    round to nearest even on the bits; subnormal elements shift out extra bits."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = tl.minimum(bits & 0x7FFFFFFF, MAX_BITS)
+    elem_exp = (mag >> 23) - 127 + BIAS
+    drop = tl.minimum(23 - MBITS + tl.maximum(1 - elem_exp, 0), 25)
+    mant = (mag & 0x7FFFFF) | 0x800000
+    q = mant >> drop
+    rem = mant - (q << drop)
+    half = 1 << (drop - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = q + ((tl.maximum(elem_exp, 1) - 1) << MBITS)
+    return code | (sign << (NBITS - 1))
+
+
+@triton.jit
+def quantize_last(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    rows,
+    length,
+    padded,
+    col_tiles,
+    BLOCK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_tile = pid // col_tiles
+    col_tile = pid % col_tiles
+    r1 = (row_tile * TILE_ROWS + tl.arange(0, TILE_ROWS)).to(tl.int64)
+    b1 = col_tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+    r = r1[:, None, None]
+    b = b1[None, :, None]
+    c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
+    x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    nonfinite = amax >= 0x7F800000
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_BITS, NBITS)
+    code = tl.where(nonfinite[:, :, None], 0, code)
+    nblocks = padded // BLOCK
+    r2 = r1[:, None]
+    b2 = b1[None, :]
+    tl.store(
+        scale_ptr + r2 * nblocks + b2,
+        tl.where(nonfinite, 255, exp + 127).to(tl.uint8),
+        mask=(r2 < rows) & (b2 < nblocks),
+    )
+    if NBITS == 4:
+        lo, hi = tl.split(tl.reshape(code, (TILE_ROWS, TILE_BLOCKS, BLOCK // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        p = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, None, :]
+        tl.store(data_ptr + r * (padded // 2) + p, packed, mask=(r < rows) & (p < padded // 2))
+    else:
+        tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
+
+
+@triton.jit
+def _load_rows(x_ptr, map_ptr, o, row, i, length, padded, inner, HAS_MAP: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Rows ``row`` of ``x[o]`` as fp32 (zeros past ``length`` or where the row map says -1)."""
+    if HAS_MAP:
+        src = tl.load(map_ptr + row, mask=row < padded, other=-1).to(tl.int64)
+        ok = (src >= 0) & (i < inner)
+    else:
+        src = row.to(tl.int64)
+        ok = (row < length) & (i < inner)
+    return _widen(tl.load(x_ptr + (o * length + src) * inner + i, mask=ok, other=0), BF16_BITS)
+
+
+@triton.jit
+def quantize_strided(
+    x_ptr,
+    map_ptr,
+    data_ptr,
+    scale_ptr,
+    length,
+    padded,
+    inner,
+    block_tiles,
+    inner_tiles,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr,
+    TILE_INNER: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    per_outer = block_tiles * inner_tiles
+    o = (pid // per_outer).to(tl.int64)
+    rest = pid % per_outer
+    b = (rest // inner_tiles) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+    i1 = (rest % inner_tiles) * TILE_INNER + tl.arange(0, TILE_INNER)
+    i = i1[None, None, :]
+    # For E2M1, elements 2j and 2j + 1 of each block are loaded as two tiles, so pairs
+    # pack without shuffles and every load stays contiguous along the inner axis.
+    PER: tl.constexpr = 2 if NBITS == 4 else 1
+    j = b[:, None, None] * BLOCK + tl.arange(0, BLOCK // PER)[None, :, None] * PER
+    x0 = _load_rows(x_ptr, map_ptr, o, j, i, length, padded, inner, HAS_MAP, BF16_BITS)
+    amax = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if NBITS == 4:
+        x1 = _load_rows(x_ptr, map_ptr, o, j + 1, i, length, padded, inner, HAS_MAP, BF16_BITS)
+        amax = tl.maximum(amax, tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    nonfinite = (amax >= 0x7F800000)[:, None, :]
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, None, :]
+    code = tl.where(nonfinite, 0, _encode(x0 * inv_scale, MBITS, BIAS, MAX_BITS, NBITS))
+    if NBITS == 4:
+        code1 = tl.where(nonfinite, 0, _encode(x1 * inv_scale, MBITS, BIAS, MAX_BITS, NBITS))
+        code = code | (code1 << 4)
+    nblocks = padded // BLOCK
+    b2 = b[:, None]
+    i2 = i1[None, :]
+    tl.store(
+        scale_ptr + (o * nblocks + b2) * inner + i2,
+        tl.where(amax >= 0x7F800000, 255, exp + 127).to(tl.uint8),
+        mask=(b2 < nblocks) & (i2 < inner),
+    )
+    out_row = j // PER
+    ok = (out_row < padded // PER) & (i < inner)
+    tl.store(data_ptr + (o * (padded // PER) + out_row) * inner + i, code.to(tl.uint8), mask=ok)

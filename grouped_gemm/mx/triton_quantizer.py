@@ -1,0 +1,176 @@
+"""The fused Triton MX quantizer: amax, scale, cast and pack in one pass over the input.
+
+Bit-identical to ``torch_quantizer``: the kernels (``triton_kernels``) apply the same
+rules on integer fp32 bits and round to nearest even with integer shifts rather than
+Triton's fp8 casts, whose rounding and saturation differ between backends. CUDA / ROCm
+tensors run the compiled kernels; CPU tensors run them in Triton's interpreter (slow; it
+is how CI checks the kernels bit for bit) when ``TRITON_INTERPRET=1`` was set before
+triton was imported (Triton decides at import which of its own functions are interpreted).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from grouped_gemm.errors import DeviceMismatchError
+from grouped_gemm.mx import triton_kernels
+from grouped_gemm.mx.formats import SCALE_RULES, MXFormat
+from grouped_gemm.mx.tensor import MXTensor
+
+
+def _check_runnable(x: torch.Tensor) -> None:
+    if x.device.type == "cpu" and not isinstance(triton_kernels.quantize_last, InterpretedFunction):
+        raise DeviceMismatchError(
+            "t",
+            x,
+            "a CUDA / ROCm tensor; CPU tensors run the Triton quantizer only in Triton's interpreter "
+            "(TRITON_INTERPRET=1 set before triton is imported); gg.quantize_mx uses the torch one on the CPU",
+        )
+
+
+_RULE_IDS = {name: i for i, name in enumerate(SCALE_RULES)}
+
+
+def _format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
+    return {
+        "BF16_BITS": x.dtype == torch.int16,
+        "RULE": _RULE_IDS[rule],
+        "EMAX": fmt.emax,
+        "MAX_MANT": fmt.max_mantissa,
+        "MBITS": fmt.mbits,
+        "BIAS": fmt.bias,
+        "MAX_BITS": fmt.max_bits,
+        "NBITS": fmt.bits,
+    }
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    return min(cap, triton.next_power_of_2(max(n, 1)))
+
+
+def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, tile) -> None:
+    nblocks = padded // block_size
+    tile_blocks = tile[0] if tile else _pow2_at_most(nblocks, max(1, 256 // block_size))
+    tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, 4096 // (tile_blocks * block_size)))
+    warps = tile[2] if tile else 4
+    col_tiles = triton.cdiv(nblocks, tile_blocks)
+    grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
+    triton_kernels.quantize_last[grid](
+        x,
+        data,
+        scale,
+        rows,
+        length,
+        padded,
+        col_tiles,
+        BLOCK=block_size,
+        TILE_ROWS=tile_rows,
+        TILE_BLOCKS=tile_blocks,
+        num_warps=warps,
+        **_format_args(x, fmt, rule),
+    )
+
+
+def _launch_strided(x, row_map, data, scale, outer, length, padded, inner, fmt, rule, block_size, tile) -> None:
+    nblocks = padded // block_size
+    tile_inner = tile[0] if tile else _pow2_at_most(inner, 128)
+    tile_blocks = tile[1] if tile else _pow2_at_most(nblocks, max(1, 4096 // (tile_inner * block_size)))
+    warps = tile[2] if tile else 4
+    block_tiles = triton.cdiv(nblocks, tile_blocks)
+    inner_tiles = triton.cdiv(inner, tile_inner)
+    grid = (outer * block_tiles * inner_tiles,)
+    triton_kernels.quantize_strided[grid](
+        x,
+        row_map if row_map is not None else x,
+        data,
+        scale,
+        length,
+        padded,
+        inner,
+        block_tiles,
+        inner_tiles,
+        HAS_MAP=row_map is not None,
+        BLOCK=block_size,
+        TILE_BLOCKS=tile_blocks,
+        TILE_INNER=tile_inner,
+        num_warps=warps,
+        **_format_args(x, fmt, rule),
+    )
+
+
+def _kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous input; bf16 as its int16 bits (the kernels widen it themselves)."""
+    x = t.contiguous()
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _outputs(shape: list[int], axis: int, fmt: MXFormat, block_size: int, device: torch.device):
+    data_shape = list(shape)
+    data_shape[axis] //= fmt.per_byte
+    scale_shape = list(shape)
+    scale_shape[axis] //= block_size
+    data = torch.empty(data_shape, dtype=torch.uint8, device=device)
+    scale = torch.empty(scale_shape, dtype=torch.uint8, device=device)
+    return data, scale
+
+
+def quantize(
+    t: torch.Tensor,
+    fmt: MXFormat,
+    axis: int,
+    rule: str,
+    block_size: int,
+    pad: int,
+    *,
+    tile: tuple[int, int, int] | None = None,
+) -> MXTensor:
+    """Quantize validated arguments (as ``torch_quantizer.quantize``). ``tile`` overrides
+    the launch shape (benchmarks): (blocks, rows, warps) along the last axis, else
+    (inner, blocks, warps)."""
+    _check_runnable(t)
+    x = _kernel_input(t)
+    shape = list(x.shape)
+    length = shape[axis]
+    padded_shape = list(shape)
+    padded_shape[axis] = length + pad
+    data, scale = _outputs(padded_shape, axis, fmt, block_size, x.device)
+    if data.numel():
+        outer = 1
+        for s in shape[:axis]:
+            outer *= s
+        inner = x.numel() // max(1, outer * length) if length else 1
+        if inner == 1:
+            _launch_last(x, data, scale, outer, length, length + pad, fmt, rule, block_size, tile)
+        else:
+            _launch_strided(x, None, data, scale, outer, length, length + pad, inner, fmt, rule, block_size, tile)
+    return MXTensor(
+        data=data if fmt.storage == torch.uint8 else data.view(fmt.storage),
+        scale=scale,
+        fmt=fmt.name,
+        axis=axis,
+        shape=tuple(shape),
+        pad=pad,
+        block_size=block_size,
+    )
+
+
+def quantize_rows(t: torch.Tensor, row_map: torch.Tensor, fmt: MXFormat, rule: str, block_size: int) -> MXTensor:
+    """Quantize along axis 0 the rows ``t[row_map[p]]`` (zeros where ``row_map[p] < 0``) of
+    a 2-D tensor, without materializing them: an ``(len(row_map), C)`` MXTensor."""
+    _check_runnable(t)
+    x = _kernel_input(t)
+    padded = row_map.numel()
+    cols = x.shape[1]
+    data, scale = _outputs([padded, cols], 0, fmt, block_size, x.device)
+    if data.numel():
+        _launch_strided(x, row_map, data, scale, 1, x.shape[0], padded, cols, fmt, rule, block_size, None)
+    return MXTensor(
+        data=data if fmt.storage == torch.uint8 else data.view(fmt.storage),
+        scale=scale,
+        fmt=fmt.name,
+        axis=0,
+        shape=(padded, cols),
+        block_size=block_size,
+    )
