@@ -28,12 +28,17 @@ def element_bytes(fmt: str) -> float:
     return _ELEMENT_BYTES[fmt]
 
 
-def bytes_moved(problem: Problem) -> float:
-    """Least bytes one call reads and writes (see the module docstring)."""
+def bytes_moved(problem: Problem, live_groups: int | None = None) -> float:
+    """Least bytes one call reads and writes (see the module docstring).
+
+    fwd / dgrad read only the weights of the ``live_groups`` groups that have rows
+    (default: all G); wgrad writes every group's dw (zeros for empty groups).
+    """
     g, m, n, k = problem.groups, problem.m, problem.n, problem.k
+    live = g if live_groups is None else live_groups
     a_elems, b_elems, out_elems = {
-        "fwd": (m * k, g * n * k, m * n),
-        "dgrad": (m * n, g * n * k, m * k),
+        "fwd": (m * k, live * n * k, m * n),
+        "dgrad": (m * n, live * n * k, m * k),
         "wgrad": (m * n, m * k, g * n * k),
     }[problem.op]
     out_bytes = out_elems * element_bytes(problem.out_dtype) * (2 if problem.accumulate else 1)

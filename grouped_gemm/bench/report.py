@@ -166,9 +166,10 @@ def ceilings_line(ceilings: Ceilings) -> str:
 def timing_line(opts: BenchOptions) -> str:
     p = opts.plan
     clock = "CUDA events" if opts.device.type == "cuda" else "time.perf_counter (CPU smoke run)"
+    rounds = f" in {p.rounds} interleaved rounds" if p.rounds > 1 else ""
     return (
-        f"{clock}, median of per-call times after ~{p.warmup_ms:g} ms of warm-up, ~{p.rep_ms:g} ms of calls "
-        f"({p.min_reps}..{p.max_reps} calls); inputs rotated to exceed 3x L2; random normal data"
+        f"{clock}, median of per-call times: ~{p.rep_ms:g} ms of calls ({p.min_reps}..{p.max_reps}) per backend"
+        f"{rounds}, each after ~{p.warmup_ms:g} ms of warm-up; inputs rotated to exceed 3x L2; random normal data"
     )
 
 

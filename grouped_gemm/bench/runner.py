@@ -68,6 +68,7 @@ class Row:
     status: str  # "ok", "wrong" (failed the accuracy check), "error", "skipped"
     note: str = ""
     times_ms: list[float] = dataclasses.field(default_factory=list)
+    round_medians_ms: list[float] = dataclasses.field(default_factory=list)
     median_ms: float | None = None
     tflops: float | None = None
     gbs: float | None = None
@@ -132,40 +133,71 @@ def _selected(decision: gg.Decision, wanted: str | tuple[str, ...]) -> tuple[lis
     return [n for n in wanted if n not in skipped], skipped
 
 
-def _measure(
-    fn: Callable[[int], Any],
-    sets: int,
-    sample: accuracy.Sample | None,
-    floor: float,
-    opts: BenchOptions,
-) -> dict[str, Any]:
-    """Run once and check it, then time it; the fields of its Row."""
-    fields: dict[str, Any] = {"operand_sets": sets}
+#: What a failing backend or peer call may raise (the dispatcher wraps backend errors in
+#: BackendRunError; torch raises RuntimeError, including out-of-memory).
+_CALL_ERRORS = (gg.GroupedGemmError, RuntimeError, ValueError, TypeError, NotImplementedError)
+
+
+def _error_note(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+@dataclasses.dataclass
+class Contender:
+    """A backend (or the peer) ready to time on one problem."""
+
+    row: Row
+    fn: Callable[[int], Any]
+    sets: int
+    problem: Problem
+    kind: str
+
+
+def _first_call(c: Contender, sample: accuracy.Sample | None, floor: float) -> None:
+    """Run once on set 0; record the SQNR of the sampled entries or the error."""
     try:
-        out = fn(0)
+        out = c.fn(0)
         if sample is not None:
-            fields["sqnr_db"] = sample.sqnr(out)
-            fields["sqnr_floor_db"] = floor
-        del out
-        fields["times_ms"] = time_calls(fn, sets, opts.device, opts.plan)
-    except (gg.GroupedGemmError, RuntimeError, ValueError, TypeError) as exc:
-        fields["status"] = "error"
-        fields["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return fields
-    fields["median_ms"] = median(fields["times_ms"])
-    wrong = sample is not None and not fields["sqnr_db"] >= floor
-    fields["status"] = "wrong" if wrong else "ok"
-    if wrong:
-        fields["note"] = f"SQNR {fields['sqnr_db']:.1f} dB below the {floor:.1f} dB floor: results are wrong"
-    return fields
+            c.row.sqnr_db = sample.sqnr(out)
+            c.row.sqnr_floor_db = floor
+    except _CALL_ERRORS as exc:
+        c.row.status, c.row.note = "error", _error_note(exc)
 
 
-def _fill_rates(row: Row, problem: Problem, ceilings: Ceilings, kind: str) -> None:
-    row.flops = float(problem.flops)
-    row.bytes = metrics.bytes_moved(problem)
-    if row.median_ms:
-        r = metrics.rates(row.flops, row.bytes, row.median_ms, ceilings.matmul_tflops.get(kind), ceilings.copy_gbs)
-        row.tflops, row.gbs, row.pct_of_ceiling = r.tflops, r.gbs, r.pct_of_ceiling
+def _time_rounds(contenders: list[Contender], device: torch.device, plan: TimingPlan) -> None:
+    """Time every contender in ``plan.rounds`` rounds, rotating who goes first, so clock
+    and temperature drift within a problem falls on all of them alike."""
+    live = [c for c in contenders if c.row.status != "error"]
+    per_round = plan.per_round()
+    for r in range(plan.rounds):
+        for c in live[r % max(1, len(live)) :] + live[: r % max(1, len(live))]:
+            if c.row.status == "error":
+                continue
+            try:
+                times = time_calls(c.fn, c.sets, device, per_round)
+            except _CALL_ERRORS as exc:
+                c.row.status, c.row.note = "error", _error_note(exc)
+                continue
+            c.row.times_ms += times
+            c.row.round_medians_ms.append(median(times))
+
+
+def _finish(c: Contender, ceilings: Ceilings, live_groups: int) -> None:
+    """Median, rates and verdict of a timed contender."""
+    row = c.row
+    row.flops = float(c.problem.flops)
+    row.bytes = metrics.bytes_moved(c.problem, live_groups)
+    if row.status == "error" or not row.times_ms:
+        return
+    row.median_ms = median(row.times_ms)
+    r = metrics.rates(row.flops, row.bytes, row.median_ms, ceilings.matmul_tflops.get(c.kind), ceilings.copy_gbs)
+    row.tflops, row.gbs, row.pct_of_ceiling = r.tflops, r.gbs, r.pct_of_ceiling
+    if row.sqnr_db is not None and not row.sqnr_db >= row.sqnr_floor_db:
+        row.status = "wrong"
+        row.note = f"SQNR {row.sqnr_db:.1f} dB below the {row.sqnr_floor_db:.1f} dB floor: results are wrong"
+    else:
+        row.status = "ok"
 
 
 class Sweep:
@@ -183,102 +215,98 @@ class Sweep:
                 for kind in self.opts.splits:
                     for recipe in self.opts.recipes:
                         for op in self.opts.ops:
-                            p = Job(case, kind, recipe, op)
-                            self.progress.step(p.label)
-                            self._problem(p)
+                            job = Job(case, kind, recipe, op)
+                            self.progress.step(job.label)
+                            self._problem(job)
                             _release(self.opts.device)
         self.progress.close()
         return self.result
 
-    def _m_splits(self, splits: list[int]) -> list[int] | torch.Tensor:
-        if self.opts.device_splits:
-            return torch.tensor(splits, dtype=torch.int64, device=self.opts.device)
-        return splits
+    def _skip(self, job: Job, note: str) -> None:
+        self.result.rows.append(job.row("-", "backend", "skipped", note=note))
 
-    def _problem(self, p: Job) -> None:
+    def _problem(self, job: Job) -> None:
         opts = self.opts
-        first_row = len(self.result.rows)
-        splits = p.case.splits(p.splits_kind)
-        operands = make_operands(p.op, p.case, splits, _input_dtype(p.recipe), opts.device, opts.seed)
+        splits = job.case.splits(job.splits_kind)
+        operands = make_operands(job.op, job.case, splits, _input_dtype(job.recipe), opts.device, opts.seed)
         reference_b = operands.first.b
-        if opts.prequantized_weights and gg.get_recipe(p.recipe).is_mx and p.op != "wgrad":
-            why = mx_weights.unavailable(p.recipe, p.op)
+        if opts.prequantized_weights and gg.get_recipe(job.recipe).is_mx and job.op != "wgrad":
+            why = mx_weights.unavailable(job.recipe, job.op)
             if why is None:
-                why, reference_b = self._prequantize(p, operands)
+                why, reference_b = _prequantize(job, operands)
             if why is not None:
-                self.result.rows.append(p.row("-", "backend", "skipped", note=f"--prequantized-weights: {why}"))
-                return
-        m_splits = self._m_splits(splits)
+                return self._skip(job, f"--prequantized-weights: {why}")
+        m_splits = torch.tensor(splits, device=opts.device) if opts.device_splits else splits
         first = operands.first
         try:
-            decision = gg.explain(first.a, first.b, m_splits, op=p.op, recipe=p.recipe)
+            decision = gg.explain(first.a, first.b, m_splits, op=job.op, recipe=job.recipe)
         except gg.GroupedGemmError as exc:
             if reference_b is first.b:
                 raise
-            note = f"--prequantized-weights: the API refused the MXTensor weight: {exc}"
-            self.result.rows.append(p.row("-", "backend", "skipped", note=note))
-            return
+            return self._skip(job, f"--prequantized-weights: the API refused the MXTensor weight: {exc}")
         names, skipped = _selected(decision, opts.backends)
         for name, why in skipped.items():
-            self.result.ineligible.append({"problem": p.label, "backend": name, "reasons": why})
+            self.result.ineligible.append({"problem": job.label, "backend": name, "reasons": why})
         if isinstance(opts.backends, tuple):
             for name in (n for n in opts.backends if n in skipped):
-                self.result.rows.append(p.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
-        sample = accuracy.sample_reference(p.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
-        same = not gg.get_recipe(p.recipe).is_mx
-        floor = sqnr_floor(decision.problem.out_dtype, p.recipe, same_function=same)
-        kind = matmul_kind(p.recipe)
+                self.result.rows.append(job.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
+        sample = accuracy.sample_reference(job.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
+        floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=not gg.get_recipe(job.recipe).is_mx)
+        contenders = []
+        kind = matmul_kind(job.recipe)
         for name in names:
-            api = _API[p.op]
+            api = _API[job.op]
             fn = lambda i, api=api, name=name: api(  # noqa: E731
-                operands.sets[i].a, operands.sets[i].b, m_splits, recipe=p.recipe, backend=name
+                operands.sets[i].a, operands.sets[i].b, m_splits, recipe=job.recipe, backend=name
             )
-            fields = _measure(fn, len(operands.sets), sample, floor, opts)
-            row = p.row(name, "backend", **fields)
-            _fill_rates(row, decision.problem, self.ceilings, kind)
-            self.result.rows.append(row)
+            c = Contender(job.row(name, "backend", "ok"), fn, len(operands.sets), decision.problem, kind)
+            _first_call(c, sample, floor)
+            contenders.append(c)
         if opts.peer:
-            self._peer(p, splits, operands, sample, decision.problem, first_row)
-
-    def _prequantize(self, p: Job, operands: OperandSets) -> tuple[str | None, torch.Tensor]:
-        original = operands.first.b
-        try:
-            for s in operands.sets:
-                s.b = mx_weights.quantize_weight(s.b, p.recipe, p.op)
-            return None, mx_weights.dequantized(operands.first.b, original)
-        except (gg.GroupedGemmError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-            return f"quantizing the weight failed: {type(exc).__name__}: {exc}", original
+            contenders += self._peer(job, splits, operands, sample, decision.problem)
+        _time_rounds(contenders, opts.device, opts.plan)
+        live_groups = sum(1 for rows in splits if rows)
+        for c in contenders:
+            _finish(c, self.ceilings, live_groups)
+        peer_ms = next((c.row.median_ms for c in contenders if c.row.role == "peer" and c.row.status == "ok"), None)
+        for c in contenders:
+            self.result.rows.append(c.row)
+            if c.row.role == "backend" and c.row.median_ms and peer_ms:
+                c.row.vs_peer = peer_ms / c.row.median_ms
 
     def _peer(
-        self,
-        p: Job,
-        splits: list[int],
-        operands: OperandSets,
-        sample: accuracy.Sample | None,
-        problem: Problem,
-        first_row: int,
-    ) -> None:
+        self, job: Job, splits: list[int], operands: OperandSets, sample: accuracy.Sample | None, problem: Problem
+    ) -> list[Contender]:
+        """The peer as a contender (on its own bf16 operands unless the problem's are bf16)."""
         opts = self.opts
         why = peer.available()
         if why is not None:
-            self.result.rows.append(p.row(peer.NAME, "peer", "skipped", note=why))
-            return
-        plain_bf16 = p.recipe == "bf16" and not opts.prequantized_weights
-        if not plain_bf16:
-            operands = make_operands(p.op, p.case, splits, torch.bfloat16, opts.device, opts.seed)
+            self.result.rows.append(job.row(peer.NAME, "peer", "skipped", note=why))
+            return []
+        if job.recipe != "bf16" or opts.prequantized_weights:
+            operands = make_operands(job.op, job.case, splits, torch.bfloat16, opts.device, opts.seed)
             if opts.verify:
                 first = operands.first
-                sample = accuracy.sample_reference(p.op, first.a, first.b, splits, opts.seed)
+                sample = accuracy.sample_reference(job.op, first.a, first.b, splits, opts.seed)
         offs = peer.group_ends(splits, opts.device)
-        floor = sqnr_floor("bfloat16", "bf16", same_function=True)
-        fields = _measure(peer.runner(p.op, operands.sets, offs), len(operands.sets), sample, floor, opts)
-        row = p.row(peer.NAME, "peer", **fields)
         bf16 = dataclasses.replace(problem, recipe="bf16", a_format="bfloat16", b_format="bfloat16")
-        _fill_rates(row, dataclasses.replace(bf16, out_dtype="bfloat16"), self.ceilings, "bf16")
-        self.result.rows.append(row)
-        for other in self.result.rows[first_row:]:
-            if other.role == "backend" and other.median_ms and row.median_ms:
-                other.vs_peer = row.median_ms / other.median_ms
+        bf16 = dataclasses.replace(bf16, out_dtype="bfloat16")
+        c = Contender(
+            job.row(peer.NAME, "peer", "ok"), peer.runner(job.op, operands.sets, offs), len(operands.sets), bf16, "bf16"
+        )
+        _first_call(c, sample, sqnr_floor("bfloat16", "bf16", same_function=True))
+        return [c]
+
+
+def _prequantize(job: Job, operands: OperandSets) -> tuple[str | None, torch.Tensor]:
+    """Replace every set's weight by its MXTensor; (why not, or None; the dequantized weight)."""
+    original = operands.first.b
+    try:
+        for s in operands.sets:
+            s.b = mx_weights.quantize_weight(s.b, job.recipe, job.op)
+        return None, mx_weights.dequantized(operands.first.b, original)
+    except (gg.GroupedGemmError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        return f"quantizing the weight failed: {_error_note(exc)}", original
 
 
 def _release(device: torch.device) -> None:

@@ -22,12 +22,28 @@ _PROBE_CALLS = 3
 
 @dataclasses.dataclass(frozen=True)
 class TimingPlan:
-    """How long to warm up and to measure, in milliseconds of calls, and rep bounds."""
+    """How long to warm up and to measure, in milliseconds of calls, and rep bounds.
+
+    ``rounds`` splits the measurement of each contender into that many rounds, taken in
+    turn with the other contenders (each round warms up again); the bounds and
+    ``rep_ms`` are totals over the rounds.
+    """
 
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     min_reps: int = 5
     max_reps: int = 200
+    rounds: int = 1
+
+    def per_round(self) -> TimingPlan:
+        """The plan of one round."""
+        n = max(1, self.rounds)
+        return TimingPlan(
+            warmup_ms=self.warmup_ms,
+            rep_ms=self.rep_ms / n,
+            min_reps=max(1, -(-self.min_reps // n)),
+            max_reps=max(1, self.max_reps // n),
+        )
 
 
 def _counts(plan: TimingPlan, estimate_ms: float) -> tuple[int, int]:

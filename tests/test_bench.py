@@ -1,0 +1,335 @@
+"""grouped-gemm bench: shapes, metrics, timing, the sampled accuracy check, and CPU smoke runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm.bench import accuracy, ceilings, metrics, operands, plot, report, shapes, timing
+from grouped_gemm.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ["--scale", "0.01", "--warmup-ms", "0", "--rep-ms", "1", "--min-reps", "2", "--max-reps", "3"]
+
+
+# --- shapes ---------------------------------------------------------------------------
+
+
+def test_shapes_ship_with_the_package_and_benchmarks_points_at_them():
+    packaged = json.loads((ROOT / "grouped_gemm" / "bench" / "moe_shapes.json").read_text())
+    assert json.loads((ROOT / "benchmarks" / "moe_shapes.json").read_text()) == packaged
+    assert shapes.shapes_document() == packaged
+    shared = ROOT.parent / "shared" / "moe_shapes.json"
+    if shared.exists():  # the project's source of truth, beside the checkout in sessions and CI
+        assert json.loads(shared.read_text()) == packaged
+    names = [c.name for c in shapes.all_cases()]
+    assert len(names) == 12 and names[0] == "dsv3_gateup_ep8" and "gptoss120b_gateup_decode" in names
+
+
+def test_select_cases_all_subset_and_errors():
+    assert [c.name for c in shapes.select_cases("all")] == [c.name for c in shapes.all_cases()]
+    chosen = shapes.select_cases("qwen3_30b_gateup, dsv3_gateup_ep8,qwen3_30b_gateup")
+    assert [c.name for c in chosen] == ["qwen3_30b_gateup", "dsv3_gateup_ep8"]
+    assert (chosen[1].groups, chosen[1].m, chosen[1].n, chosen[1].k) == (32, 16384, 4096, 7168)
+    with pytest.raises(gg.InvalidArgumentError, match=r"cases='nope'.*dsv3_gateup_ep8"):
+        shapes.select_cases("dsv3_gateup_ep8,nope")
+    with pytest.raises(gg.InvalidArgumentError, match="'all' alone"):
+        shapes.select_cases("all,dsv3_gateup_ep8")
+    for bad in (0, -1, 1.5, float("nan")):
+        with pytest.raises(gg.InvalidArgumentError, match="scale"):
+            shapes.select_cases("all", bad)
+
+
+def test_scaled_cases_keep_groups_and_round_dims_up_to_32():
+    case = next(c for c in shapes.all_cases() if c.name == "qwen3_235b_gateup").scaled(0.01)
+    assert (case.groups, case.m, case.n, case.k) == (128, 655, 32, 64)  # 30.72 -> 32, 40.96 -> 64
+    tiny = shapes.Case("t", 4, 10, 4096, 100).scaled(0.001)
+    assert (tiny.m, tiny.n, tiny.k) == (1, 32, 32)
+
+
+def test_splits_follow_the_shapes_file_rules():
+    case = shapes.Case("t", 7, 1000, 32, 32)
+    assert case.splits("balanced") == [142] * 6 + [148]
+    skewed = case.splits("skewed")
+    assert skewed == gg.skewed_splits(7, 1000) and sum(skewed) == 1000 and max(skewed) > 2 * min(skewed)
+    with pytest.raises(gg.InvalidArgumentError, match="splits='uniform'"):
+        case.splits("uniform")
+
+
+# --- metrics, operands, timing, ceilings ----------------------------------------------
+
+
+def test_bytes_count_operands_output_and_only_weights_of_live_groups():
+    p = gg.describe_problem(op="fwd", groups=4, m=10, n=6, k=8, recipe="bf16", splits=[3, 0, 7, 0])
+    assert p.flops == 2 * 10 * 6 * 8
+    assert metrics.bytes_moved(p) == 2 * (10 * 8 + 4 * 6 * 8 + 10 * 6)
+    assert metrics.bytes_moved(p, live_groups=2) == 2 * (10 * 8 + 2 * 6 * 8 + 10 * 6)
+    w = gg.describe_problem(op="wgrad", groups=4, m=10, n=6, k=8, out_dtype=torch.float32, accumulate=True)
+    assert metrics.bytes_moved(w, live_groups=1) == 2 * 10 * 6 + 2 * 10 * 8 + 2 * 4 * 4 * 6 * 8
+    assert metrics.element_bytes("mx_e2m1") == 0.5 + 1 / 32  # two elements a byte, one scale byte per 32
+
+
+def test_rates_and_roofline_share():
+    r = metrics.rates(flops=2e12, nbytes=1e9, ms=4.0, matmul_tflops=1000.0, copy_gbs=1000.0)
+    assert r.tflops == pytest.approx(500.0) and r.gbs == pytest.approx(250.0)
+    assert r.pct_of_ceiling == pytest.approx(100 * 2e-3 / 4e-3)  # compute-bound: 2 ms ideal of 4 ms
+    bound = metrics.rates(flops=1e9, nbytes=4e9, ms=8.0, matmul_tflops=1000.0, copy_gbs=1000.0)
+    assert bound.pct_of_ceiling == pytest.approx(50.0)  # memory-bound: 4 ms ideal of 8 ms
+    assert metrics.rates(1.0, 1.0, 1.0, None, 1.0).pct_of_ceiling is None
+
+
+def test_operands_are_random_and_rotated_past_the_l2(monkeypatch):
+    case = shapes.Case("t", 3, 40, 32, 64)
+    one = operands.make_operands("fwd", case, [10, 0, 30], torch.bfloat16, torch.device("cpu"), seed=1)
+    assert len(one.sets) == 1 and one.splits == [10, 0, 30]
+    a, b = one.first.a, one.first.b
+    assert a.shape == (40, 64) and b.shape == (3, 32, 64) and a.dtype == torch.bfloat16
+    assert (a != 0).float().mean() > 0.99 and b.float().std().item() == pytest.approx(64**-0.5, rel=0.2)
+    per_set = (40 * 64 + 3 * 32 * 64) * 2
+    monkeypatch.setattr(operands, "l2_bytes", lambda device: 4 * per_set)
+    rotated = operands.make_operands("wgrad", case, [10, 0, 30], torch.bfloat16, torch.device("cpu"), seed=1)
+    assert len(rotated.sets) == math.ceil(3 * 4 * per_set / ((40 * 32 + 40 * 64) * 2))
+    assert not torch.equal(rotated.sets[0].a, rotated.sets[1].a)
+    assert rotated.first.a.shape == (40, 32) and rotated.first.b.shape == (40, 64)
+
+
+def test_host_timing_cycles_sets_and_respects_bounds():
+    seen: list[int] = []
+    plan = timing.TimingPlan(warmup_ms=0.0, rep_ms=1e6, min_reps=4, max_reps=7)
+    times = timing.time_calls(seen.append, 3, torch.device("cpu"), plan)
+    assert len(times) == 7 and all(t >= 0 for t in times)
+    assert set(seen) == {0, 1, 2} and seen[-7:] == [0, 1, 2, 0, 1, 2, 0]
+    split = timing.TimingPlan(rep_ms=90.0, min_reps=5, max_reps=200, rounds=3).per_round()
+    assert (split.rep_ms, split.min_reps, split.max_reps, split.rounds) == (30.0, 2, 66, 1)
+
+
+def test_ceilings_on_the_cpu():
+    measured = ceilings.measure({"bf16", "fp32"}, torch.device("cpu"))
+    assert measured.matmul_tflops["bf16"] > 0 and measured.matmul_tflops["fp32"] > 0
+    assert measured.copy_gbs > 0
+    assert ceilings.matmul_kind("bf16") == "bf16" and ceilings.matmul_kind("mxfp4") == "fp8"
+    assert ceilings.matmul_kind("a16w4") == "bf16" and ceilings.matmul_kind("fp32") == "fp32"
+
+
+# --- the sampled accuracy check -------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_sample_flags_a_wrong_edge_row_and_passes_the_exact_result(op, gen):
+    splits = [50, 0, 300, 7, 0]
+    m, n, k = sum(splits), 24, 40
+    a = torch.randn(m, k if op == "fwd" else n, generator=gen)
+    b = torch.randn(m, k, generator=gen) if op == "wgrad" else torch.randn(len(splits), n, k, generator=gen)
+    ref = {"fwd": gg.testing.ref_fwd, "dgrad": gg.testing.ref_dgrad, "wgrad": gg.testing.ref_wgrad}[op]
+    exact = ref(a, b, splits).float()
+    sample = accuracy.sample_reference(op, a, b, splits, seed=3)
+    assert sample.sqnr(exact) > 100
+    broken = exact.clone()
+    if op == "wgrad":
+        broken[1] = 1.0  # an empty group's dw must be zero
+    else:
+        broken[349] += 5.0  # the last row of group 2
+    assert sample.sqnr(broken) < 30
+
+
+def test_sample_of_a_huge_group_stays_small(gen):
+    splits = [5000, 3]
+    a, w = torch.randn(5003, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    sample = accuracy.sample_reference("fwd", a, w, splits)
+    assert len(sample.rows) <= 2 * (2 * accuracy.EDGE_ROWS + accuracy.RANDOM_ROWS)
+    assert {0, 4999, 5000, 5002} <= set(sample.rows.tolist())
+
+
+# --- end to end on the CPU ------------------------------------------------------------
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["bench", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cpu_smoke_run_writes_table_json_and_markdown(tmp_path, capsys):
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd,dgrad,wgrad", "--splits", "balanced,skewed", "--recipe", "bf16"]
+    code, out, err = _run(capsys, *argv, "--backends", "all", *SMOKE, "--out", str(out_json), "--markdown", str(out_md))
+    assert code == 0, out + err
+    assert "mixtral_down" in out and "torch._grouped_mm" in out and "6 problems" in out
+    assert "[1/6]" in err and "[6/6]" in err and "done: 6 steps" in err
+    doc = json.loads(out_json.read_text())
+    env = doc["environment"]
+    for key in ("date", "torch", "triton", "git", "device", "command", "python"):
+        assert key in env
+    assert env["device"]["type"] == "cpu" and doc["ceilings"]["copy_gbs"] > 0
+    rows = doc["rows"]
+    peers = [r for r in rows if r["role"] == "peer"]
+    assert len(peers) == 6 and all(r["status"] == "ok" and r["backend"] == "torch._grouped_mm" for r in peers)
+    refs = [r for r in rows if r["backend"] == "reference"]
+    assert len(refs) == 6
+    for r in refs:
+        assert r["status"] == "ok" and r["sqnr_db"] >= r["sqnr_floor_db"] > 40
+        assert len(r["times_ms"]) >= 2 and r["median_ms"] > 0 and r["tflops"] > 0 and r["vs_peer"] > 0
+        assert r["flops"] == 2 * r["m"] * r["n"] * r["k"] and (r["groups"], r["n"], r["k"]) == (8, 64, 160)
+    md = out_md.read_text()
+    assert "| case | G | M | N | K | splits | op | recipe | torch._grouped_mm |" in md and "Command:" in md
+    assert md.count("| mixtral_down |") == 6
+
+
+class _Wrong(gg.Backend):
+    """Fast and wrong: every group multiplied by the first group's weight."""
+
+    spec = gg.BackendSpec(
+        name="bench_test_wrong", ops=frozenset({"fwd"}), recipes=frozenset({"bf16"}), vendors=frozenset({"cpu"})
+    )
+
+    def run(self, problem, inputs):
+        return inputs.a @ inputs.b[0].T
+
+
+class _Raises(gg.Backend):
+    spec = gg.BackendSpec(
+        name="bench_test_raises", ops=frozenset({"fwd"}), recipes=frozenset({"bf16"}), vendors=frozenset({"cpu"})
+    )
+
+    def run(self, problem, inputs):
+        raise RuntimeError("kernel exploded")
+
+
+@pytest.fixture
+def bad_backends():
+    backends = [_Wrong(), _Raises()]
+    for b in backends:
+        gg.register_backend(b)
+    yield [b.spec.name for b in backends]
+    for b in backends:
+        gg.unregister_backend(b.spec.name)
+
+
+def test_wrong_and_failing_backends_are_flagged_not_celebrated(tmp_path, capsys, bad_backends):
+    out_json = tmp_path / "b.json"
+    argv = ["--cases", "dsv3_down_ep8", "--ops", "fwd", "--splits", "skewed", "--backends", ",".join(bad_backends)]
+    code, out, _ = _run(capsys, *argv, *SMOKE, "--out", str(out_json), "--quiet")
+    assert code == 1
+    rows = {r["backend"]: r for r in json.loads(out_json.read_text())["rows"]}
+    wrong, raises = rows["bench_test_wrong"], rows["bench_test_raises"]
+    assert wrong["status"] == "wrong" and wrong["sqnr_db"] < wrong["sqnr_floor_db"] and wrong["times_ms"]
+    assert raises["status"] == "error" and "kernel exploded" in raises["note"]
+    assert "WRONG" in out and "WRONG: bench_test_wrong" in out and "ERROR: bench_test_raises" in out
+    wrong_line = next(line for line in out.splitlines() if "bench_test_wrong" in line and "WRONG" in line)
+    assert f"{wrong['vs_peer']:.2f}" not in wrong_line  # no ratio shown for a wrong result
+
+
+class _GpuOnly(_Raises):
+    spec = gg.BackendSpec(
+        name="bench_test_gpu_only", ops=frozenset({"fwd"}), recipes=frozenset({"bf16"}), vendors=frozenset({"cuda"})
+    )
+
+
+def test_named_backend_that_is_not_eligible_is_reported(capsys):
+    gg.register_backend(_GpuOnly())
+    try:
+        argv = [
+            "--cases",
+            "qwen3_30b_down",
+            "--ops",
+            "fwd",
+            "--splits",
+            "balanced",
+            "--backends",
+            "bench_test_gpu_only",
+        ]
+        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet", "--device", "cpu")
+    finally:
+        gg.unregister_backend("bench_test_gpu_only")
+    assert code == 0
+    assert "SKIPPED: bench_test_gpu_only" in out and "not eligible" in out and "[placement]" in out
+
+
+def test_plot_without_matplotlib_says_so_and_still_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot.missing() == plot.MISSING
+    png, out_json = tmp_path / "b.png", tmp_path / "b.json"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced", "--plot", str(png)]
+    code, _, err = _run(capsys, *argv, *SMOKE, "--out", str(out_json), "--quiet")
+    assert code == 0 and not png.exists() and out_json.exists()
+    assert "needs matplotlib" in err and "pip install matplotlib" in err
+
+
+def test_plot_is_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "b.png"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd,wgrad", "--splits", "balanced", "--plot", str(png)]
+    code, out, _ = _run(capsys, *argv, *SMOKE, "--quiet")
+    assert code == 0 and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prequantized_weights_skip_clearly_when_unavailable(tmp_path, capsys, monkeypatch):
+    monkeypatch.delattr(gg, "quantize_mx", raising=False)
+    argv = ["--cases", "mixtral_down", "--ops", "fwd,wgrad", "--splits", "balanced", "--recipe", "a16w4"]
+    code, out, _ = _run(capsys, *argv, *SMOKE, "--prequantized-weights", "--quiet", "--backends", "all")
+    assert code == 0
+    assert "SKIPPED: - on mixtral_down balanced fwd a16w4: --prequantized-weights: this grouped_gemm has no" in out
+    assert "gg.quantize_mx" in out and "wgrad a16w4: --prequantized-weights" not in out
+
+
+def test_prequantized_weights_are_mx_tensors_when_quantize_mx_exists(tmp_path, capsys):
+    if not callable(getattr(gg, "quantize_mx", None)):
+        pytest.skip("this grouped_gemm has no gg.quantize_mx")
+    from grouped_gemm.bench import mx_weights
+
+    w = torch.randn(2, 64, 96, dtype=torch.bfloat16)
+    for op, axis in (("fwd", 2), ("dgrad", 1)):
+        q = mx_weights.quantize_weight(w, "a16w4", op)
+        assert isinstance(q, gg.MXTensor) and q.axis == axis
+        deq = mx_weights.dequantized(q, w)
+        assert gg.testing.sqnr_db(deq, w) > 12  # e2m1 with E8M0 scales on normal data
+    assert mx_weights.unavailable("bf16", "fwd") == "recipe bf16 keeps weights in high precision"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ops", "fwd,bwd"], "ops='bwd'"),
+        (["--splits", "uniform"], "splits='uniform'"),
+        (["--recipe", "int8"], "recipe='int8'"),
+        (["--backends", "ghost"], "backends='ghost'"),
+        (["--cases", "nope"], "cases='nope'"),
+        (["--scale", "2"], "scale=2.0"),
+        (["--min-reps", "0"], "min-reps/max-reps"),
+        (["--rounds", "0"], "rounds=0"),
+        (["--warmup-ms", "nan"], "warmup-ms=nan"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_what_is_allowed(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "is invalid" in err
+
+
+def test_json_record_has_no_nan_and_reports_ceiling_notes():
+    c = ceilings.Ceilings(matmul_tflops={"bf16": 1.5}, copy_gbs=2.0, notes={"fp8": "not measured: x"})
+    line = report.ceilings_line(c)
+    assert "bf16 matmul 1.50 TFLOP/s" in line and "fp8 not measured: x" in line and "copy 2.00 GB/s" in line
+    assert (
+        report._sig(0.000123) == "0.000123" and report._sig(123456.0) == "123456" and report._sig(math.inf) == "exact"
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_run_times_with_events_and_checks_every_result(tmp_path, capsys):
+    out_json = tmp_path / "b.json"
+    argv = ["--cases", "qwen3_30b_gateup,mixtral_down", "--scale", "0.1", "--device", "cuda", "--quiet"]
+    code, out, _ = _run(capsys, *argv, "--rep-ms", "5", "--out", str(out_json))
+    assert code == 0, out
+    doc = json.loads(out_json.read_text())
+    assert doc["environment"]["device"]["type"] == "cuda" and doc["ceilings"]["matmul_tflops"]["bf16"] > 0
+    timed = [r for r in doc["rows"] if r["status"] == "ok"]
+    assert len([r for r in timed if r["role"] == "peer"]) == 12
+    assert all(r["sqnr_db"] >= r["sqnr_floor_db"] and r["median_ms"] > 0 for r in timed)
