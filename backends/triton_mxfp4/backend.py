@@ -1,0 +1,136 @@
+"""The ``triton_mxfp4`` backend: what it declares, what it checks, and how it runs a call.
+
+Path by chip (``Problem.device``): with MX block-scaled MMA (``DeviceInfo.has("scaled_mma")``:
+gfx950, sm_100) the ``tl.dot_scaled`` kernel; otherwise (sm_90, and the CPU interpreter) the
+upcast kernel, weights decoded to bf16 in registers, MX activations decoded to bf16 first.
+"""
+
+from __future__ import annotations
+
+import torch
+from grouped_gemm.backends.triton_mxfp4 import launch, layouts, operands
+
+from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
+from grouped_gemm.mx import MXTensor
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class TritonMxfp4Backend(Backend):
+    """Persistent Triton grouped kernels for MXFP4 weights (a4w4, a8w4, a16w4)."""
+
+    spec = BackendSpec(
+        name="triton_mxfp4",
+        version=__version__,
+        description="persistent Triton MXFP4-weight grouped GEMM: dot_scaled (gfx950, sm_100), register upcast (sm_90)",
+        ops=frozenset({"fwd", "dgrad", "wgrad"}),
+        recipes=frozenset({"mxfp4", "a8w4", "a16w4"}),
+        vendors=frozenset({"cpu", "cuda", "rocm"}),
+        # sm_90: upcast path; sm_100 / sm_103 / gfx950: dot_scaled; cpu: Triton's interpreter.
+        archs=("cpu", "sm_90", "sm_100", "sm_103", "gfx950"),
+        dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        out_dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        mx_formats=frozenset({"e2m1", "e4m3"}),
+        # MX blocks of 32 run along K (fwd) and along N (dgrad), so both are block multiples.
+        n_multiple=32,
+        k_multiple=32,
+        min_k=32,
+        # The tile schedule keeps one entry per group in registers.
+        max_groups=1024,
+        host_splits=False,
+        accumulate=True,
+        weight_list=False,
+        non_contiguous=False,
+        deterministic=True,
+        priority=80,
+    )
+
+    def check(self, problem: Problem) -> list[Reason]:
+        reasons = []
+        interpreting = launch.interpreted()
+        if problem.placement == "cpu" and not interpreting:
+            reasons.append(
+                Reason("missing", "CPU tensors run only in Triton's interpreter; set TRITON_INTERPRET=1 before import")
+            )
+        if problem.placement != "cpu" and interpreting:
+            reasons.append(Reason("missing", "TRITON_INTERPRET=1 is set: the kernels run only on CPU tensors"))
+        if problem.op == "wgrad":
+            reasons += _wgrad_reasons(problem)
+        else:
+            reasons += _lhs_reasons(problem)
+            if problem.b_format.startswith("mx_") and problem.b_format != "mx_e2m1":
+                reasons.append(Reason("dtype", f"w is {problem.b_format[3:]}; only e2m1 weights"))
+        return reasons
+
+    def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+        if problem.op == "wgrad":
+            return _run_wgrad(problem, inputs)
+        name = "x" if problem.op == "fwd" else "dy"
+        act = operands.activation(problem, inputs.a, name)
+        w = operands.weight(problem, inputs.b)
+        n_out = problem.n if problem.op == "fwd" else problem.k
+        device = w.device
+        out = inputs.out
+        if out is None:
+            out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
+        if problem.m == 0:
+            return out
+        ends = inputs.offsets(device)
+        if problem.device.has("scaled_mma"):
+            return launch.launch_scaled(act, w, ends, out, problem.groups)
+        if isinstance(act, MXTensor):
+            act = launch.dequantize(act)
+        return launch.launch_upcast(act, layouts.upcast_weight(w), ends, out, problem.groups)
+
+
+def _lhs_reasons(problem: Problem) -> list[Reason]:
+    """fwd's x / dgrad's dy: quantized per recipe, or already in the recipe's format."""
+    name = "x" if problem.op == "fwd" else "dy"
+    fmt = operands.lhs_format(problem)
+    if fmt is None:
+        if problem.a_format != "bfloat16":
+            return [
+                Reason(
+                    "dtype",
+                    f"{problem.recipe} {problem.op} multiplies {name} unquantized in bf16; "
+                    f"{name} is {problem.a_format} (only bfloat16 is exact on this path)",
+                )
+            ]
+        return []
+    if fmt not in ("e2m1", "e4m3"):
+        return [Reason("recipe", f"{name} format {fmt} (grad_format) not supported; e2m1 or e4m3")]
+    if problem.a_format.startswith("mx_") and problem.a_format != f"mx_{fmt}":
+        return [Reason("dtype", f"{name} is pre-quantized {problem.a_format[3:]}; recipe {problem.recipe} needs {fmt}")]
+    return []
+
+
+def _wgrad_reasons(problem: Problem) -> list[Reason]:
+    reasons = []
+    if problem.recipe != "mxfp4":
+        reasons.append(
+            Reason(
+                "recipe",
+                f"wgrad of {problem.recipe} is not supported: a8w4 / a16w4 are inference recipes whose weights "
+                "are frozen quantized tensors (no weight gradient); train with mxfp4 or bf16",
+            )
+        )
+    elif problem.grad_format != "e2m1":
+        reasons.append(Reason("recipe", f"wgrad needs e2m1 gradients; grad_format is {problem.grad_format}"))
+    if problem.a_format.startswith("mx_") or problem.b_format.startswith("mx_"):
+        reasons.append(
+            Reason("layout", "wgrad quantizes dy and x itself (per-group token blocks); pass high-precision tensors")
+        )
+    return reasons
+
+
+def _run_wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+    dy, x = inputs.a, inputs.b
+    out = inputs.out
+    if out is None:
+        out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
+    ends = inputs.offsets(dy.device)
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, ends)
+    if problem.device.has("scaled_mma"):
+        return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
+    dy_b, x_b = launch.dequantize(dy_q), launch.dequantize(x_q)
+    return launch.launch_wgrad(dy_b, x_b, padded_ends, out, problem.groups, problem.accumulate)

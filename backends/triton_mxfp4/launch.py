@@ -1,0 +1,286 @@
+"""Kernel launches: tile configurations, grids and the Triton call for each kernel.
+
+Configurations are picked from shapes known on the host (M, G, N, K): never from the split
+sizes, which may live on the device. ``mean rows per group`` (M / G) picks the row tile:
+decode-like calls (a few tokens per expert) get 16-32-row tiles and several programs per
+SM so enough weight bytes are in flight; large groups get 256 x 128 tiles. Measured
+choices and their reasons: docs/notes/triton_mxfp4.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from grouped_gemm.backends.triton_mxfp4.dequant_kernel import dequant_kernel
+from grouped_gemm.backends.triton_mxfp4.dequant_kernel import grid as dequant_grid
+from grouped_gemm.backends.triton_mxfp4.layouts import UpcastWeight
+from grouped_gemm.backends.triton_mxfp4.scaled_kernel import block_k_for, scaled_grouped_kernel
+from grouped_gemm.backends.triton_mxfp4.schedule import max_groups_bucket
+from grouped_gemm.backends.triton_mxfp4.upcast_kernel import upcast_grouped_kernel
+from grouped_gemm.backends.triton_mxfp4.wgrad_kernel import wgrad_grouped_kernel
+from triton.runtime.interpreter import InterpretedFunction
+
+from grouped_gemm.mx import MXTensor
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(upcast_grouped_kernel, InterpretedFunction)
+
+
+def _units(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def ptx_decode(device: torch.device) -> bool:
+    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+."""
+    return (
+        device.type == "cuda"
+        and not interpreted()
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpcastConfig:
+    """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 64-element chunks
+    per step, warps, pipeline stages, programs per SM."""
+
+    bm: int
+    bn: int
+    chunks: int
+    warps: int
+    stages: int
+    per_sm: int
+
+
+def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
+    """The default upcast configuration for a problem (see the module docstring)."""
+    if interpreted():
+        return UpcastConfig(bm=16, bn=32, chunks=1, warps=4, stages=1, per_sm=1)
+    mean_rows = m / max(groups, 1)
+    if mean_rows <= 16:
+        return UpcastConfig(bm=16, bn=128, chunks=2, warps=4, stages=4, per_sm=2)
+    if mean_rows <= 32:
+        return UpcastConfig(bm=32, bn=128, chunks=2, warps=4, stages=4, per_sm=2)
+    if mean_rows <= 64:
+        return UpcastConfig(bm=64, bn=128, chunks=2, warps=4, stages=4, per_sm=1)
+    if mean_rows <= 160:
+        return UpcastConfig(bm=128, bn=128, chunks=2, warps=8, stages=3, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, chunks=1, warps=8, stages=3, per_sm=1)
+
+
+def launch_upcast(
+    a: torch.Tensor,
+    w: UpcastWeight,
+    ends: torch.Tensor,
+    out: torch.Tensor,
+    groups: int,
+    config: UpcastConfig | None = None,
+) -> torch.Tensor:
+    """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
+    m = a.shape[0]
+    cfg = config or upcast_config(m, groups, w.rows, a.device)
+    col_tiles = triton.cdiv(w.rows, cfg.bn)
+    most_tiles = (triton.cdiv(m, cfg.bm) + groups) * col_tiles
+    programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
+    upcast_grouped_kernel[(programs,)](
+        a,
+        a.stride(0),
+        w.data,
+        w.data.stride(0),
+        w.data.stride(1),
+        w.scales,
+        w.scales.stride(0),
+        w.scales.stride(1),
+        out,
+        out.stride(0),
+        ends,
+        groups,
+        w.rows,
+        w.k_red,
+        w.k_padded,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        CHUNKS=cfg.chunks,
+        MAX_G=max_groups_bucket(groups),
+        NUM_PROGS=programs,
+        EVEN_K=w.k_red % (64 * cfg.chunks) == 0,
+        PTX=ptx_decode(a.device),
+        INTERP=interpreted(),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledConfig:
+    """Tiles of the dot_scaled kernel."""
+
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+
+
+def scaled_config(m: int, groups: int) -> ScaledConfig:
+    if interpreted():
+        return ScaledConfig(bm=16, bn=32, warps=4, stages=1)
+    mean_rows = m / max(groups, 1)
+    if mean_rows <= 32:
+        return ScaledConfig(bm=32, bn=128, warps=4, stages=3)
+    if mean_rows <= 128:
+        return ScaledConfig(bm=128, bn=128, warps=8, stages=3)
+    return ScaledConfig(bm=128, bn=256, warps=8, stages=3)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def launch_scaled(
+    a: torch.Tensor | MXTensor,
+    w: MXTensor,
+    ends: torch.Tensor,
+    out: torch.Tensor,
+    groups: int,
+    config: ScaledConfig | None = None,
+) -> torch.Tensor:
+    """``out[rows of g] = a[rows of g] @ W_g^T`` through ``tl.dot_scaled``; ``w`` is the
+    E2M1 MXTensor quantized along the contraction (axis 2: fwd, axis 1: dgrad)."""
+    if isinstance(a, MXTensor):
+        a_data, a_scale, a_fmt, m = _u8(a.data), a.scale, a.fmt, a.shape[0]
+        a_scale_stride = a_scale.stride(0)
+    else:
+        a_data, a_scale, a_fmt, m = a, a, "bf16", a.shape[0]
+        a_scale_stride = 0
+    fwd = w.axis == 2
+    n_out = w.shape[1] if fwd else w.shape[2]
+    k_red = w.shape[w.axis]
+    cfg = config or scaled_config(m, groups)
+    bk = block_k_for(k_red)
+    # Weight data / scale strides as (group, contraction, output column).
+    wd, ws = w.data, w.scale
+    w_strides = (wd.stride(0), wd.stride(2), wd.stride(1)) if fwd else (wd.stride(0), wd.stride(1), wd.stride(2))
+    s_strides = (ws.stride(0), ws.stride(2), ws.stride(1)) if fwd else (ws.stride(0), ws.stride(1), ws.stride(2))
+    col_tiles = triton.cdiv(n_out, cfg.bn)
+    programs = max(1, min((triton.cdiv(m, cfg.bm) + groups) * col_tiles, _units(out.device)))
+    scaled_grouped_kernel[(programs,)](
+        a_data,
+        a_data.stride(0),
+        a_scale,
+        a_scale_stride,
+        wd,
+        *w_strides,
+        ws,
+        *s_strides,
+        out,
+        out.stride(0),
+        ends,
+        groups,
+        n_out,
+        k_red,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        BK=bk,
+        A_FMT=a_fmt,
+        MAX_G=max_groups_bucket(groups),
+        NUM_PROGS=programs,
+        EVEN_K=k_red % bk == 0,
+        INTERP=interpreted(),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    return out
+
+
+def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A 2-D MXTensor (blocked along axis 0 or 1, no padding) decoded to ``dtype`` in one pass."""
+    rows, cols = t.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    if rows and cols:
+        data = _u8(t.data)
+        br, bc = (16, 32) if interpreted() else (32, 128)
+        dequant_kernel[dequant_grid(rows, cols, br, bc)](
+            data,
+            data.stride(0),
+            t.scale,
+            t.scale.stride(0),
+            out,
+            out.stride(0),
+            rows,
+            cols,
+            AXIS=t.axis,
+            FMT=t.fmt,
+            BR=br,
+            BC=bc,
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    bn: int
+    bk: int
+    bt: int
+    warps: int
+    stages: int
+
+
+def wgrad_config() -> WgradConfig:
+    if interpreted():
+        return WgradConfig(bn=32, bk=32, bt=64, warps=4, stages=1)
+    return WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
+
+
+def launch_wgrad(
+    dy: torch.Tensor | MXTensor,
+    x: torch.Tensor | MXTensor,
+    padded_ends: torch.Tensor,
+    out: torch.Tensor,
+    groups: int,
+    accumulate: bool,
+    config: WgradConfig | None = None,
+) -> torch.Tensor:
+    """``out[g] (+)= dy_g^T @ x_g`` over the padded token layout: MX operands (dot_scaled)
+    or their bf16 decodes (plain dot)."""
+    mx = isinstance(dy, MXTensor)
+    dyd, xd = (_u8(dy.data), _u8(x.data)) if mx else (dy, x)
+    dys, xs = (dy.scale, x.scale) if mx else (dy, x)
+    n_out, k_out = out.shape[1], out.shape[2]
+    cfg = config or wgrad_config()
+    tiles = groups * triton.cdiv(n_out, cfg.bn) * triton.cdiv(k_out, cfg.bk)
+    programs = max(1, min(tiles, _units(out.device)))
+    wgrad_grouped_kernel[(programs,)](
+        dyd,
+        dyd.stride(0),
+        dys,
+        dys.stride(0),
+        xd,
+        xd.stride(0),
+        xs,
+        xs.stride(0),
+        out,
+        out.stride(0),
+        out.stride(1),
+        padded_ends,
+        groups,
+        n_out,
+        k_out,
+        BN=cfg.bn,
+        BK=cfg.bk,
+        BT=cfg.bt,
+        FMT="e2m1" if mx else "bf16",
+        ACCUMULATE=accumulate,
+        NUM_PROGS=programs,
+        INTERP=interpreted(),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    return out

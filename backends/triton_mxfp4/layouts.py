@@ -1,0 +1,96 @@
+"""The Hopper upcast kernel's weight layout, derived from an E2M1 ``MXTensor`` and cached.
+
+``UpcastWeight`` holds, per group, the weight as ``rows x contraction`` (fwd: (N, K) from a
+weight quantized along K; dgrad: (K, N) from one quantized along N), contraction padded to
+a multiple of 128 with zero codes:
+
+- ``data`` (G, rows, Kp/2) uint8: in every 64-element chunk, byte j holds element j (low
+  nibble) and element 32 + j (high nibble), so the kernel decodes a (rows, 32) byte tile
+  into two (rows, 32) bf16 tiles with elementwise ops, each inside one 32-block.
+- ``scales`` (G, Kp/128, rows) int32: the four E8M0 bytes of each 128-element run of a
+  row, little-endian, transposed so a row tile's scales are one contiguous 4-byte-per-row
+  load (the software pipeliner only streams loads of at least 4 bytes per thread).
+
+Building it costs a few passes over the weight; ``upcast_weight`` caches the result per
+``MXTensor`` object (weakly keyed, invalidated when its tensors are modified in place), so
+inference with fixed quantized weights pays it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import torch
+
+from grouped_gemm.mx import MXTensor
+
+#: Contraction padding of the layout (one int32 of scales covers 128 elements).
+K_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class UpcastWeight:
+    """A weight in the upcast kernel's layout (see the module docstring)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    k_red: int
+    k_padded: int
+
+
+def _codes_rows_by_contraction(mx: MXTensor, g: int) -> torch.Tensor:
+    """Group ``g``'s E2M1 codes as (rows, contraction) uint8, one code per byte."""
+    d = mx.data[g]
+    if mx.axis == 2:
+        return torch.stack((d & 15, d >> 4), dim=-1).reshape(d.shape[0], -1)
+    codes = torch.stack((d & 15, d >> 4), dim=1).reshape(-1, d.shape[1])
+    return codes.T
+
+
+def _scales_rows_by_blocks(mx: MXTensor, g: int) -> torch.Tensor:
+    """Group ``g``'s scale bytes as (rows, contraction / 32)."""
+    s = mx.scale[g]
+    return s if mx.axis == 2 else s.T
+
+
+def build_upcast_weight(mx: MXTensor) -> UpcastWeight:
+    """The upcast layout of a (G, N, K) E2M1 weight quantized along K (fwd) or N (dgrad)."""
+    groups = mx.shape[0]
+    rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
+    k_red = mx.shape[mx.axis]
+    k_padded = -(-k_red // K_ALIGN) * K_ALIGN
+    data = torch.empty(groups, rows, k_padded // 2, dtype=torch.uint8, device=mx.device)
+    scales = torch.empty(groups, k_padded // K_ALIGN, rows, dtype=torch.int32, device=mx.device)
+    for g in range(groups):
+        codes = torch.nn.functional.pad(_codes_rows_by_contraction(mx, g), (0, k_padded - k_red))
+        chunks = codes.reshape(rows, k_padded // 64, 2, 32)
+        data[g] = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, -1)
+        blocks = torch.nn.functional.pad(_scales_rows_by_blocks(mx, g), (0, (k_padded - k_red) // 32))
+        scales[g] = blocks.contiguous().view(torch.int32).T
+    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)
+
+
+_cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[int, int], UpcastWeight]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def upcast_weight(mx: MXTensor) -> UpcastWeight:
+    """``build_upcast_weight(mx)``, computed once per MXTensor object and tensor version."""
+    version = (mx.data._version, mx.scale._version)
+    with _lock:
+        hit = _cache.get(mx)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    layout = build_upcast_weight(mx)
+    with _lock:
+        _cache[mx] = (version, layout)
+    return layout
+
+
+def cached_layouts() -> int:
+    """How many MXTensors currently have a cached layout (for tests and diagnostics)."""
+    with _lock:
+        return len(_cache)

@@ -1,0 +1,44 @@
+"""Device-side tile schedule of the persistent grouped kernels.
+
+Each program derives the whole schedule from the cumulative group ends on the device (no
+host sync, so calls with device ``m_splits`` can be captured in a CUDA graph): per group
+its first row, row count and tile count, and the running tile total. Tiles are numbered
+group by group; inside a group, output-column tiles are the outer index and row tiles the
+inner one, so programs running at the same time (consecutive tile numbers) share one
+weight slab through L2. Empty groups own no tiles and are never visited; their rows do
+not exist, so nothing is left unwritten (DESIGN section 2).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def group_table(ends_ptr, num_groups, rows_per_tile: tl.constexpr, col_tiles, MAX_G: tl.constexpr):
+    """(group ids, first rows, row counts, tiles per group, inclusive tile ends) as
+    ``MAX_G``-long vectors (entries past ``num_groups`` are empty groups)."""
+    gi = tl.arange(0, MAX_G)
+    live = gi < num_groups
+    ends = tl.load(ends_ptr + gi, mask=live, other=0)
+    starts = tl.load(ends_ptr + gi - 1, mask=live & (gi > 0), other=0)
+    rows = tl.where(live, ends - starts, 0)
+    tiles = tl.cdiv(rows, rows_per_tile) * col_tiles
+    return gi, starts, rows, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def locate(t, gi, starts, rows, tiles, tile_end):
+    """(group, first row, rows, tile index within the group) of global tile ``t``."""
+    g = tl.sum((tile_end <= t).to(tl.int32), 0)
+    mine = gi == g
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    count = tl.sum(tl.where(mine, rows, 0), 0)
+    return g, start, count, t - first_tile
+
+
+def max_groups_bucket(groups: int) -> int:
+    """The ``MAX_G`` a launch uses: the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(groups))

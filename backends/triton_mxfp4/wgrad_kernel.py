@@ -1,0 +1,161 @@
+"""Grouped weight-gradient kernel: ``dw_g = dy_g^T @ x_g``, contraction over each group's tokens.
+
+Both operands come in the padded token layout: every group's rows start at a multiple of 32
+(``PEnds`` are the padded cumulative ends, on the device) and the padding rows are zeros.
+With ``FMT == "e2m1"`` the operands are E2M1 quantized along the tokens (data packed two
+tokens per byte, (Mp/2, N) and (Mp/2, K); scales (Mp/32, N), (Mp/32, K)) and the product is
+``tl.dot_scaled`` (or its fp32 emulation in the interpreter); with ``FMT == "bf16"`` they are
+the exact bf16 decodes of those tensors (the Hopper path) and the product is ``tl.dot``.
+
+Tiles are (group, N tile, K tile), group-major so programs running together share a
+group's tokens in L2. With ``ACCUMULATE`` the tile is added to ``Out`` (for example an fp32
+``main_grad``) and groups without tokens leave it untouched; otherwise they write zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from grouped_gemm.backends.triton_mxfp4.decode import bf16_dot
+from grouped_gemm.backends.triton_mxfp4.scaled_kernel import emulated_dot_scaled
+
+
+@triton.jit
+def _step(
+    acc,
+    t0,
+    last,
+    DY,
+    stride_dym,
+    DYS,
+    stride_dysm,
+    X,
+    stride_xm,
+    XS,
+    stride_xsm,
+    rn,
+    rk,
+    n_ok,
+    k_ok,
+    BT: tl.constexpr,
+    FMT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """BT tokens of the contraction (a multiple of 32, starting on a 32-row boundary)."""
+    PER_BYTE: tl.constexpr = 2 if FMT == "e2m1" else 1
+    tok = t0 // PER_BYTE + tl.arange(0, BT // PER_BYTE)
+    tok_ok = tok * PER_BYTE < last
+    dy = tl.load(
+        DY + tok.to(tl.int64)[:, None] * stride_dym + rn[None, :], mask=tok_ok[:, None] & n_ok[None, :], other=0
+    )
+    x = tl.load(X + tok.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0)
+    if FMT == "bf16":
+        acc = bf16_dot(tl.trans(dy), x, acc, EMULATE)
+    else:
+        blk = t0 // 32 + tl.arange(0, BT // 32)
+        blk_ok = blk * 32 < last
+        dys = tl.load(
+            DYS + blk.to(tl.int64)[:, None] * stride_dysm + rn[None, :], mask=blk_ok[:, None] & n_ok[None, :], other=0
+        )
+        xs = tl.load(
+            XS + blk.to(tl.int64)[:, None] * stride_xsm + rk[None, :], mask=blk_ok[:, None] & k_ok[None, :], other=0
+        )
+        if EMULATE:
+            acc = emulated_dot_scaled(tl.trans(dy), tl.trans(dys), "e2m1", x, tl.trans(xs), acc)
+        else:
+            acc = tl.dot_scaled(tl.trans(dy), tl.trans(dys), "e2m1", x, tl.trans(xs), "e2m1", acc)
+    return acc
+
+
+@triton.jit
+def wgrad_grouped_kernel(
+    DY,
+    stride_dym,
+    DYS,
+    stride_dysm,
+    X,
+    stride_xm,
+    XS,
+    stride_xsm,
+    Out,
+    stride_og,
+    stride_on,
+    PEnds,
+    num_groups,
+    n_out,
+    k_out,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    FMT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    n_tiles = tl.cdiv(n_out, BN)
+    k_tiles = tl.cdiv(k_out, BK)
+    per_group = n_tiles * k_tiles
+    t = tl.program_id(0)
+    while t < num_groups * per_group:
+        g = t // per_group
+        local = t % per_group
+        rn = (local // k_tiles) * BN + tl.arange(0, BN)
+        rk = (local % k_tiles) * BK + tl.arange(0, BK)
+        n_ok = rn < n_out
+        k_ok = rk < k_out
+        first = tl.load(PEnds + g - 1, mask=g > 0, other=0)
+        last = tl.load(PEnds + g)
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        if INTERP:
+            t0 = first
+            while t0 < last:
+                acc = _step(
+                    acc,
+                    t0,
+                    last,
+                    DY,
+                    stride_dym,
+                    DYS,
+                    stride_dysm,
+                    X,
+                    stride_xm,
+                    XS,
+                    stride_xsm,
+                    rn,
+                    rk,
+                    n_ok,
+                    k_ok,
+                    BT,
+                    FMT,
+                    INTERP,
+                )
+                t0 += BT
+        else:
+            for t0 in range(first, last, BT):
+                acc = _step(
+                    acc,
+                    t0,
+                    last,
+                    DY,
+                    stride_dym,
+                    DYS,
+                    stride_dysm,
+                    X,
+                    stride_xm,
+                    XS,
+                    stride_xsm,
+                    rn,
+                    rk,
+                    n_ok,
+                    k_ok,
+                    BT,
+                    FMT,
+                    INTERP,
+                )
+        out = Out + g.to(tl.int64) * stride_og + rn.to(tl.int64)[:, None] * stride_on + rk[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        if ACCUMULATE:
+            mask = mask & (last > first)
+            acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+        t += NUM_PROGS
