@@ -31,12 +31,12 @@ DEFAULT_STREAMS = 4
 MAX_STREAMS = 32
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-#: torch's mm/addmm ``out_dtype`` overloads (cuBLAS fp32 output from half inputs); torch >= 2.8.
+#: torch's mm/addmm ``out_dtype`` overloads (cuBLAS fp32 output from half inputs; in 2.11, 2.13).
 _HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
-#: Below ``torch_grouped_mm`` (50): anchors-h200.md (sm_90, bf16 fwd) has the grouped kernel
-#: ahead in every case averaged over balanced and skewed splits; a loop is up to 10 % ahead
-#: only on skewed splits of few (G <= 32) large groups. benchmarks/blas_priority.py re-measures.
+#: Below ``torch_grouped_mm`` (50) for every problem: on sm_90 (benchmarks/blas_priority.py,
+#: docs/backends.md) a loop is ahead only for few large groups, by 1-7 % on average over
+#: balanced and skewed splits (within one run's spread); the grouped kernel by up to 17x.
 PRIORITY = 20
 
 
