@@ -110,8 +110,8 @@ def _wgrad_reasons(problem: Problem) -> list[Reason]:
         reasons.append(
             Reason(
                 "recipe",
-                f"wgrad of {problem.recipe} is not supported: a8w4 / a16w4 are inference recipes whose weights "
-                "are frozen quantized tensors (no weight gradient); train with mxfp4 or bf16",
+                f"wgrad of {problem.recipe} has no e2m1 operand (a8w4: e4m3 dy x e4m3 x; a16w4: bf16 x bf16); "
+                "this backend runs e2m1 products only (wgrad: mxfp4)",
             )
         )
     elif problem.grad_format != "e2m1":
@@ -128,8 +128,7 @@ def _run_wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
     out = inputs.out
     if out is None:
         out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
-    ends = inputs.offsets(dy.device)
-    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, ends)
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, inputs.m_splits)
     if problem.device.has("scaled_mma"):
         return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
     dy_b, x_b = launch.dequantize(dy_q), launch.dequantize(x_q)

@@ -13,15 +13,17 @@ a16w4       bf16, unquantized   bf16, unquantized        E2M1
 ==========  ==================  =======================  ========================
 
 wgrad (mxfp4 only): dy and x quantized to E2M1 along the tokens, each group's rows padded
-to a multiple of 32 so no block straddles two groups.
+to a multiple of 32 so no block straddles two groups (``gg.quantize_mx_rows``). a8w4's wgrad
+(E4M3 x E4M3) and a16w4's (bf16 x bf16) have no E2M1 operand and are left to other
+backends (``backend.check`` says so).
 """
 
 from __future__ import annotations
 
 import torch
 
-from grouped_gemm.errors import InvalidArgumentError, ShapeError
-from grouped_gemm.mx import MXTensor, quantize_mx
+from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import get_recipe
 
@@ -64,41 +66,14 @@ def weight(problem: Problem, w: torch.Tensor | MXTensor) -> MXTensor:
                 f"({'K' if axis == 2 else 'N'}, the {problem.op} contraction), no padding",
             )
         return w
-    return quantize_mx(w, "e2m1", axis=axis, scale_rule=problem.scale_rule)
-
-
-def padded_token_layout(t: torch.Tensor, ends: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows of ``t`` regrouped so each group starts at a multiple of 32 with zero rows
-    between groups, padded cumulative group ends). Device-side only: no host sync.
-
-    The buffer has ``32 * (ceil(M / 32) + G)`` rows, enough for any splits; rows past the
-    last group stay zero.
-    """
-    m = t.shape[0]
-    capacity = BLOCK * (-(-m // BLOCK) + groups)
-    padded = torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=t.device)
-    ends64 = ends.to(torch.int64)
-    starts = ends64 - torch.diff(ends64, prepend=ends64.new_zeros(1))
-    padded_rows = (ends64 - starts + BLOCK - 1) // BLOCK * BLOCK
-    padded_ends = torch.cumsum(padded_rows, 0)
-    if m:
-        row = torch.arange(m, device=t.device)
-        group = torch.searchsorted(ends64, row, right=True)
-        dest = row - starts[group] + (padded_ends - padded_rows)[group]
-        padded.index_copy_(0, dest, t)
-    return padded, padded_ends.to(torch.int32)
+    return quantize_mx_weight(w, "e2m1", op=problem.op, scale_rule=problem.scale_rule)
 
 
 def wgrad_operands(
-    problem: Problem, dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
+    problem: Problem, dy: torch.Tensor, x: torch.Tensor, m_splits: list[int] | torch.Tensor
 ) -> tuple[MXTensor, MXTensor, torch.Tensor]:
-    """dy and x quantized to E2M1 along the tokens in the padded token layout, and the
-    padded group ends."""
-    if dy.shape[0] != x.shape[0]:
-        raise ShapeError("x", x, f"{dy.shape[0]} rows, like dy")
-    dy_padded, padded_ends = padded_token_layout(dy, ends, problem.groups)
-    x_padded, _ = padded_token_layout(x, ends, problem.groups)
-    fmt = problem.grad_format or "e2m1"
-    dy_q = quantize_mx(dy_padded, fmt, axis=0, scale_rule=problem.scale_rule)
-    x_q = quantize_mx(x_padded, "e2m1", axis=0, scale_rule=problem.scale_rule)
-    return dy_q, x_q, padded_ends
+    """dy and x quantized to E2M1 along the tokens, each group padded to 32 rows
+    (``gg.quantize_mx_rows``), and the padded cumulative group ends (G,) int32."""
+    dy_rows = quantize_mx_rows(dy, m_splits, "e2m1", align=BLOCK, scale_rule=problem.scale_rule)
+    x_rows = quantize_mx_rows(x, m_splits, "e2m1", align=BLOCK, scale_rule=problem.scale_rule)
+    return dy_rows.tensor, x_rows.tensor, dy_rows.padded_offsets[1:]

@@ -1,0 +1,334 @@
+"""triton_mxfp4: every kernel against the reference backend on the same quantized inputs.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+when no GPU is visible): tiny shapes, both paths (the Hopper upcast kernel, chosen for the
+CPU's arch, and the dot_scaled kernel, chosen under ``use_device("gfx950")``). Outputs are
+poisoned with NaN first, so a row a kernel forgets shows up. The GPU tests at the end run
+the same checks at realistic sizes (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from grouped_gemm.backends.triton_mxfp4 import TritonMxfp4Backend, launch, layouts
+from grouped_gemm.backends.triton_mxfp4.upcast_kernel import _weight_chunk
+
+import grouped_gemm as gg
+from grouped_gemm.errors import BackendRunError, InvalidArgumentError
+from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
+from grouped_gemm.testing import poison, random_splits, sqnr_db
+
+NAME = "triton_mxfp4"
+MIN_SQNR = 60.0
+RECIPES = ("mxfp4", "a8w4", "a16w4")
+PATHS = {"upcast": "cpu", "dot_scaled": "gfx950"}
+CPU_SPLITS = {
+    "unaligned_with_empty": [5, 0, 40, 3],
+    "single_group": [37],
+    "all_empty": [0, 0, 0],
+}
+
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or not launch.interpreted(), reason="CPU tests run the kernels in Triton's interpreter"
+)
+
+
+def _operands(op, recipe, m, n, k, groups, gen, device="cpu"):
+    """(a, b) for an op: fresh random normal data (bf16 activations for a16w4)."""
+    act_dtype = torch.bfloat16 if recipe == "a16w4" else torch.float32
+    w = torch.randn(groups, n, k, generator=gen).to(device)
+    if op == "fwd":
+        return torch.randn(m, k, generator=gen).to(device, act_dtype), w
+    if op == "dgrad":
+        return torch.randn(m, n, generator=gen).to(device, act_dtype), w
+    return torch.randn(m, n, generator=gen).to(device), torch.randn(m, k, generator=gen).to(device)
+
+
+def _call(op, a, b, splits, recipe, backend, out=None, accumulate=False):
+    with gg.use_backends(backend, strict=True):
+        if op == "fwd":
+            return gg.grouped_gemm(a, b, splits, recipe=recipe, out=out, out_dtype=torch.float32)
+        if op == "dgrad":
+            return gg.grouped_gemm_dgrad(a, b, splits, recipe=recipe, out=out, out_dtype=torch.float32)
+        return gg.grouped_gemm_wgrad(
+            a, b, splits, recipe=recipe, out=out, out_dtype=torch.float32, accumulate=accumulate
+        )
+
+
+def _out_shape(op, m, n, k, groups):
+    return {"fwd": (m, n), "dgrad": (m, k), "wgrad": (groups, n, k)}[op]
+
+
+def _check_against_reference(op, recipe, splits, n, k, gen, device="cpu"):
+    groups, m = len(splits), sum(splits)
+    a, b = _operands(op, recipe, m, n, k, groups, gen, device)
+    out = poison(torch.empty(_out_shape(op, m, n, k, groups), device=device))
+    got = _call(op, a, b, splits, recipe, NAME, out=out)
+    want = _call(op, a, b, splits, recipe, "reference")
+    assert got is out
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    if m:
+        assert sqnr_db(got, want) >= MIN_SQNR
+    else:
+        assert torch.equal(got, want)
+    assert gg.dispatch_stats()["selected"].get(NAME, 0) >= 1
+
+
+# ---- interpreter: every kernel, both paths ------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("splits", list(CPU_SPLITS.values()), ids=list(CPU_SPLITS))
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_fwd_dgrad_match_reference(op, recipe, splits, path, gen):
+    with gg.use_device(PATHS[path]):
+        _check_against_reference(op, recipe, splits, n=64, k=96, gen=gen)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_skewed_splits_and_even_contraction(path, gen):
+    """Skewed random splits with empty groups, contraction a multiple of both K steps."""
+    splits = random_splits(6, 150, empty=2, generator=gen)
+    with gg.use_device(PATHS[path]):
+        _check_against_reference("fwd", "mxfp4", splits, n=96, k=128, gen=gen)
+        _check_against_reference("dgrad", "a16w4", splits, n=128, k=96, gen=gen)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("splits", [*CPU_SPLITS.values(), [33, 0, 1, 64]], ids=[*CPU_SPLITS, "straddling"])
+def test_wgrad_matches_reference(splits, path, gen):
+    with gg.use_device(PATHS[path]):
+        _check_against_reference("wgrad", "mxfp4", splits, n=64, k=96, gen=gen)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_wgrad_accumulates_and_leaves_empty_groups(path, gen):
+    splits = [20, 0, 45]
+    n, k = 32, 64
+    dy, x = _operands("wgrad", "mxfp4", sum(splits), n, k, len(splits), gen)
+    main_grad = torch.randn(len(splits), n, k, generator=gen)
+    before = main_grad.clone()
+    with gg.use_device(PATHS[path]):
+        got = _call("wgrad", dy, x, splits, "mxfp4", NAME, out=main_grad, accumulate=True)
+        want = _call("wgrad", dy, x, splits, "mxfp4", "reference", out=before.clone(), accumulate=True)
+    assert got is main_grad
+    assert torch.equal(got[1], before[1]), "an empty group's gradient must stay untouched"
+    assert sqnr_db(got - before, want - before) >= MIN_SQNR
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_prequantized_operands_and_layout_cache(path, gen):
+    """MXTensor x and w are used as given; the upcast layout is built once per weight
+    object and rebuilt after the weight changes in place."""
+    splits = [9, 0, 30]
+    m, n, k = sum(splits), 64, 64
+    x = quantize_mx(torch.randn(m, k, generator=gen), "e4m3")
+    w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1", op="fwd")
+    with gg.use_device(PATHS[path]):
+        want = _call("fwd", x, w, splits, "a8w4", "reference")
+        first = _call("fwd", x, w, splits, "a8w4", NAME)
+        assert sqnr_db(first, want) >= MIN_SQNR
+        if path == "upcast":
+            cached = layouts.upcast_weight(w)
+            assert layouts.upcast_weight(w) is cached
+        w.data.copy_(torch.randint(0, 256, w.data.shape, generator=gen, dtype=torch.uint8))
+        changed = _call("fwd", x, w, splits, "a8w4", NAME)
+        assert sqnr_db(changed, _call("fwd", x, w, splits, "a8w4", "reference")) >= MIN_SQNR
+        if path == "upcast":
+            assert layouts.upcast_weight(w) is not cached
+
+
+@needs_interpreter
+def test_upcast_layout_round_trip(gen):
+    """The layout holds the same codes and scales, rearranged: decode it back."""
+    for op in ("fwd", "dgrad"):
+        w = quantize_mx_weight(torch.randn(2, 64, 96, generator=gen), "e2m1", op=op)
+        lay = layouts.build_upcast_weight(w)
+        lo, hi = lay.data & 15, lay.data >> 4
+        chunks = torch.stack((lo.reshape(2, lay.rows, -1, 32), hi.reshape(2, lay.rows, -1, 32)), dim=3)
+        codes = chunks.reshape(2, lay.rows, -1)[..., : lay.k_red]
+        words = lay.scales.transpose(1, 2)
+        blocks = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(2, lay.rows, -1)
+        as_mx = MXTensor(
+            data=codes[..., 0::2] | (codes[..., 1::2] << 4),
+            scale=blocks[..., : lay.k_red // 32].to(torch.uint8).contiguous(),
+            fmt="e2m1",
+            axis=2,
+            shape=(2, lay.rows, lay.k_red),
+        )
+        expected = w.dequantize() if op == "fwd" else w.dequantize().transpose(1, 2)
+        assert torch.equal(as_mx.dequantize(), expected)
+
+
+@triton.jit
+def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr):
+    """Store the upcast kernel's decode of the first 64-element chunk of BN weight rows."""
+    rn = tl.arange(0, BN)
+    tile = _weight_chunk(W + rn * stride_w, tl.load(S + rn), 0, rn < BN, PTX)
+    tl.store(Out + rn[:, None] * 64 + tl.arange(0, 64)[None, :], tile)
+
+
+def _check_edge_scales(device, ptx, scale_bytes, gen):
+    """Edge scale bytes with every code: the kernel's decode equals MXTensor.dequantize bit
+    for bit (subnormal, infinite and NaN results included)."""
+    n = 256
+    codes = torch.randint(0, 256, (1, n, 32), generator=gen, dtype=torch.uint8)
+    scale_bytes = torch.tensor(scale_bytes, dtype=torch.uint8)
+    scale = scale_bytes[torch.randint(0, len(scale_bytes), (1, n, 2), generator=gen)]
+    w = MXTensor(data=codes, scale=scale, fmt="e2m1", axis=2, shape=(1, n, 64)).to(device)
+    lay = layouts.build_upcast_weight(w)
+    out = torch.empty(n, 64, dtype=torch.bfloat16, device=device)
+    _decode_tile[(1,)](lay.data[0], lay.data.stride(1), lay.scales[0, 0], out, BN=n, PTX=ptx)
+    want = w.dequantize(torch.bfloat16)[0]
+    assert ((out == want) | (torch.isnan(out) & torch.isnan(want))).all()
+    assert torch.equal(torch.signbit(out[out == 0]), torch.signbit(want[out == 0]))
+
+
+@needs_interpreter
+def test_edge_scale_bytes_decode_exactly(gen):
+    """Bytes 0 and 1 give bf16 subnormals, which Triton 3.6's interpreter rounds wrongly in
+    its own fp32 -> bf16 cast (2^-128 becomes 0); the GPU test covers them."""
+    _check_edge_scales("cpu", False, [2, 3, 127, 252, 253, 254, 255], gen)
+
+
+# ---- eligibility ---------------------------------------------------------------------------
+
+
+def _reasons(**described):
+    decision = gg.explain(**described)
+    return decision.candidate(NAME).reasons, decision.selected
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "gfx950"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_chosen_for_mx_recipes_where_eligible(arch, recipe, monkeypatch):
+    monkeypatch.setattr(launch, "interpreted", lambda: False)  # described GPU problems, as on a GPU host
+    reasons, selected = _reasons(groups=8, m=4096, n=1024, k=2048, recipe=recipe, device=arch, device_splits=True)
+    assert reasons == ()
+    assert selected == NAME
+
+
+@pytest.mark.parametrize(
+    ("described", "code"),
+    [
+        ({"k": 2000}, "align"),
+        ({"n": 1000}, "align"),
+        ({"groups": 2048}, "groups"),
+        ({"device": "gfx942"}, "arch"),
+        ({"device": "sm_80"}, "arch"),
+        ({"recipe": "mxfp8"}, "recipe"),
+        ({"recipe": "bf16"}, "recipe"),
+        ({"recipe": "a8w4", "op": "wgrad"}, "recipe"),
+        ({"recipe": "a16w4", "dtype": "float32"}, "dtype"),
+        ({"weight_list": True}, "layout"),
+    ],
+)
+def test_ineligible_problems_say_why(described, code):
+    args = {"groups": 8, "m": 1024, "n": 1024, "k": 2048, "recipe": "mxfp4", "device": "sm_90", **described}
+    reasons, selected = _reasons(**args)
+    assert code in {r.code for r in reasons}
+    assert selected != NAME
+
+
+def test_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    problem = gg.describe_problem(groups=2, m=64, n=64, k=64, recipe="mxfp4", device="cpu")
+    assert "missing" in {r.code for r in TritonMxfp4Backend().check(problem)}
+
+
+@needs_interpreter
+def test_weight_blocked_along_the_wrong_axis_is_refused(gen):
+    """A weight quantized for dgrad (along N) passed to fwd is a clear error, never a result."""
+    x = torch.randn(8, 64, generator=gen)
+    w = quantize_mx_weight(torch.randn(2, 64, 64, generator=gen), "e2m1", op="dgrad")
+    with pytest.raises((InvalidArgumentError, BackendRunError)) as info:
+        _call("fwd", x, w, [3, 5], "mxfp4", NAME)
+    assert "axis" in str(info.value)
+
+
+# ---- GPU: realistic sizes ----------------------------------------------------------------
+
+
+GPU_SPLITS = {
+    "balanced": lambda g, m: gg.balanced_splits(g, m),
+    "skewed": lambda g, m: gg.skewed_splits(g, m),
+    "decode": lambda g, m: random_splits(g, m, empty=g // 4, generator=torch.Generator().manual_seed(7)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["upcast", "dot_scaled"])
+@pytest.mark.parametrize("splits", list(GPU_SPLITS))
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_gpu_matches_reference(op, recipe, splits, path, gen):
+    """On the H200 the dot_scaled path runs Triton's own sm_90 emulation of tl.dot_scaled
+    (forced by describing the chip as sm_100); the upcast path is the one dispatch picks."""
+    if op == "wgrad" and recipe != "mxfp4":
+        pytest.skip("wgrad is mxfp4-only (see backend.check)")
+    groups, m, n, k = (16, 96, 1024, 1536) if splits == "decode" else (8, 4096, 1536, 1024)
+    sizes = GPU_SPLITS[splits](groups, m)
+    arch = "sm_100" if path == "dot_scaled" else None
+    device = torch.device("cuda")
+    if arch:
+        with gg.use_device(arch):
+            _check_against_reference(op, recipe, sizes, n, k, gen, device)
+    else:
+        _check_against_reference(op, recipe, sizes, n, k, gen, device)
+
+
+@pytest.mark.gpu
+def test_gpu_ptx_decode_equals_portable_decode(gen):
+    """The sm_90 PTX decode and the portable one give bit-identical GEMM results."""
+    device = torch.device("cuda")
+    splits = gg.skewed_splits(8, 2048)
+    x = torch.randn(sum(splits), 1024, generator=gen).to(device, torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(8, 768, 1024, generator=gen).to(device), "e2m1")
+    lay = layouts.upcast_weight(w)
+    ends = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+    fast = launch.launch_upcast(x, lay, ends, poison(torch.empty(x.shape[0], 768, device=device)), 8)
+    orig = launch.ptx_decode
+    try:
+        launch.ptx_decode = lambda _device: False
+        slow = launch.launch_upcast(x, lay, ends, poison(torch.empty(x.shape[0], 768, device=device)), 8)
+    finally:
+        launch.ptx_decode = orig
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ptx", [True, False])
+def test_gpu_edge_scales_exact(ptx, gen):
+    _check_edge_scales("cuda", ptx, [0, 1, 2, 127, 252, 253, 254, 255], gen)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_with_device_splits(gen):
+    """Device splits: no host sync, so the call can be captured and replayed."""
+    device = torch.device("cuda")
+    g, n, k = 8, 512, 1024
+    splits = torch.tensor(gg.skewed_splits(g, 1000), device=device)
+    x = torch.randn(1000, k, device=device, dtype=torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(g, n, k, device=device), "e2m1")
+    out = torch.empty(1000, n, device=device)
+    _call("fwd", x, w, splits, "a16w4", NAME, out=out)  # compile and cache the layout first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _call("fwd", x, w, splits, "a16w4", NAME, out=out)
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _call("fwd", x, w, splits.tolist(), "a16w4", "reference")
+    assert sqnr_db(out, want) >= MIN_SQNR
+    assert not math.isnan(out.sum().item())
