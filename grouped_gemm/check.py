@@ -16,13 +16,13 @@ import os
 import sys
 import zlib
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import grouped_gemm as gg
 from grouped_gemm import testing
+from grouped_gemm.bench.progress import Progress
 from grouped_gemm.errors import InvalidArgumentError
 
 # --- What "correct" means -------------------------------------------------------------
@@ -205,14 +205,17 @@ class Result:
     message: str = ""
 
 
-def _cases(recipes: list[str], variants: list[str], device: torch.device) -> Iterator[Case]:
+def _specs(recipes: list[str], variants: list[str]) -> list[tuple[Scenario, str, str, torch.dtype]]:
+    """Every (scenario, op variant, recipe, out dtype) to check."""
+    specs = []
     for scenario in SCENARIOS:
         for recipe in recipes:
             for variant in variants:
                 for out_dtype in _out_dtypes(recipe):
                     if variant.endswith("+acc") and out_dtype != torch.float32:
                         continue  # accumulation targets an fp32 main_grad buffer
-                    yield _make_case(scenario, variant, recipe, out_dtype, device)
+                    specs.append((scenario, variant, recipe, out_dtype))
+    return specs
 
 
 def _set_expected(case: Case, decision: gg.Decision) -> None:
@@ -237,11 +240,17 @@ def _eligible(decision: gg.Decision, name: str) -> bool:
     return any(c.name == name and c.eligible for c in decision.candidates)
 
 
-def run_checks(backends: list[str], recipes: list[str], variants: list[str], device: torch.device) -> list[Result]:
+def run_checks(
+    backends: list[str], recipes: list[str], variants: list[str], device: torch.device, progress: bool = False
+) -> list[Result]:
     """Every (backend, case) pair: pass / FAIL / ERROR, or skip with the backend's reasons."""
     results = []
+    specs = _specs(recipes, variants)
+    bar = Progress(len(specs), enabled=progress)
     with gg.use_backends(strict=True):
-        for case in _cases(recipes, variants, device):
+        for scenario, variant, recipe, out_dtype in specs:
+            bar.step(f"{scenario.name} {variant} {recipe} out={str(out_dtype).removeprefix('torch.')}")
+            case = _make_case(scenario, variant, recipe, out_dtype, device)
             decision = case.explain()
             by_name = {c.name: c for c in decision.candidates}
             odt = str(case.out_dtype).removeprefix("torch.")
@@ -255,6 +264,7 @@ def run_checks(backends: list[str], recipes: list[str], variants: list[str], dev
                     results.append(Result(name, status="skip", message=reasons, **base))
                     continue
                 results.append(_check_one(name, case, base))
+    bar.close()
     return results
 
 
@@ -385,6 +395,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", help=f"comma-separated op variants (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every run, and why backends were skipped")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -401,7 +412,7 @@ def run_command(args: argparse.Namespace) -> int:
     here = gg.describe_problem(groups=1, m=1, n=1, k=1).device if device.type == "cuda" else "cpu"
     interp = f", TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}" if "TRITON_INTERPRET" in os.environ else ""
     print(f"grouped-gemm check on {here}: torch {torch.__version__}, triton {triton.__version__}{interp}")
-    results = run_checks(backends, recipes, variants, device)
+    results = run_checks(backends, recipes, variants, device, progress=not args.quiet)
     text = report(results, backends, args.verbose)
     print(text)
     sys.stdout.flush()
