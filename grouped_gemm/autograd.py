@@ -18,6 +18,7 @@ problem with the recipe's formats. ``grouped_linear`` picks the route.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -26,9 +27,8 @@ from typing import Any
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
-from grouped_gemm.recipes import RECIPES, Recipe, get_recipe, plain_recipe_for
-from grouped_gemm.validation import dtype_name
+from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, UnknownRecipeError
+from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
 
 Splits = list[int] | torch.Tensor
 Weights = torch.Tensor | list[torch.Tensor]
@@ -36,26 +36,54 @@ Weights = torch.Tensor | list[torch.Tensor]
 # --------------------------------------------------------------------------- helpers
 
 
+_PLAIN_BY_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
 def recipe_key(recipe: Recipe) -> str:
-    """A recipe as a custom-op string argument: its name, or JSON when a built-in's
-    ``scale_rule`` / ``grad_format`` were changed."""
-    return recipe.name if recipe == RECIPES[recipe.name] else recipe.model_dump_json()
+    """A recipe as the custom ops' string argument: its name, plus the two fields a caller
+    may change on a built-in (``"mxfp8;scale_rule=floor;grad_format=e5m2"``).
+
+    Plain attribute reads and string formatting only, so Dynamo traces it (torch 2.11
+    cannot trace pydantic's ``__eq__``).
+    """
+    base = RECIPES.get(recipe.name)
+    if base is not None and recipe.scale_rule == base.scale_rule and recipe.grad_format == base.grad_format:
+        return recipe.name
+    return f"{recipe.name};scale_rule={recipe.scale_rule};grad_format={recipe.grad_format or 'none'}"
 
 
 @functools.lru_cache(maxsize=64)
 def recipe_from_key(key: str) -> Recipe:
-    """Inverse of ``recipe_key``."""
-    return get_recipe(key) if key in RECIPES else get_recipe(Recipe.model_validate_json(key))
+    """Inverse of ``recipe_key``; an unknown name raises ``UnknownRecipeError``."""
+    name, *changes = key.split(";")
+    base = get_recipe(name)
+    if not changes:
+        return base
+    fields = dict(change.partition("=")[::2] for change in changes)
+    if fields.keys() != {"scale_rule", "grad_format"}:
+        raise UnknownRecipeError("recipe", key, "a recipe name, or name;scale_rule=...;grad_format=...")
+    grad_format = None if fields["grad_format"] == "none" else fields["grad_format"]
+    return get_recipe(base.model_copy(update={"scale_rule": fields["scale_rule"], "grad_format": grad_format}))
 
 
-def resolve_recipe(recipe: str | Recipe | None, x: torch.Tensor) -> Recipe:
-    """The recipe of a call: the given one, or the plain recipe of ``x``'s dtype."""
-    if recipe is not None:
-        return get_recipe(recipe)
-    found = plain_recipe_for(dtype_name(x.dtype)) if isinstance(x, torch.Tensor) else None
-    if found is None:
-        raise InvalidTypeError("x", x, "a bfloat16, float16 or float32 tensor (or pass recipe=)")
-    return found
+def op_recipe(recipe: str | Recipe | None, x: torch.Tensor) -> str:
+    """The recipe string of a call (``recipe=`` or the plain recipe of ``x``'s dtype).
+
+    Checked eagerly; under ``torch.compile`` it only formats (the op checks at run time).
+    """
+    if recipe is None:
+        name = _PLAIN_BY_DTYPE.get(x.dtype) if isinstance(x, torch.Tensor) else None
+        if name is None:
+            raise InvalidTypeError("x", x, "a bfloat16, float16 or float32 tensor (or pass recipe=)")
+        return name
+    compiling = torch.compiler.is_compiling()
+    if isinstance(recipe, str):
+        if not compiling:
+            recipe_from_key(recipe)
+        return recipe
+    if not isinstance(recipe, Recipe):
+        raise UnknownRecipeError("recipe", recipe, f"a recipe name ({', '.join(RECIPES)}) or a gg.Recipe")
+    return recipe_key(recipe if compiling else get_recipe(recipe))
 
 
 def split_args(m_splits: Any) -> tuple[list[int] | None, torch.Tensor | None]:
@@ -207,12 +235,20 @@ class GroupedLinearFunction(torch.autograd.Function):
             ctx.mark_dirty(out)
         ctx.save_for_backward(x, *weights)
         ctx.plan = plan
+        ctx.context = contextvars.copy_context()
         ctx.params = weights if plan.fuse_wgrad_accumulation else ()
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        # Autograd runs CUDA backward nodes on its own device threads, which do not see
+        # the caller's context variables: run in the forward's context, so the dispatch
+        # scopes (gg.use_backends) active at forward also steer dgrad and wgrad.
+        return ctx.context.run(GroupedLinearFunction._backward, ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, *weights = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         dy = dy.contiguous()
@@ -467,16 +503,16 @@ def grouped_linear(
     ``GroupedLinearFunction``; under ``torch.compile`` the ``grouped_gemm::fwd`` op, where
     ``out`` is filled by a copy and ``weight_for`` (cached quantized weights) is not used.
     """
-    resolved = resolve_recipe(recipe, x)
+    key = op_recipe(recipe, x)
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
     if torch.compiler.is_compiling():
         splits, splits_tensor = split_args(m_splits)
         bufs = main_grads(weights) if fuse_wgrad_accumulation else None
-        y = fwd_op(x, weights, bias, splits, splits_tensor, recipe_key(resolved), bufs)
+        y = fwd_op(x, weights, bias, splits, splits_tensor, key, bufs)
         return out.copy_(y) if out is not None else y
     if fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         main_grads(weights)
-    plan = LinearPlan(m_splits, resolved, fuse_wgrad_accumulation, weight_for)
+    plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, weight_for)
     return GroupedLinearFunction.apply(x, bias, out, plan, *weights)

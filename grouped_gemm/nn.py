@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import grouped_linear
+from grouped_gemm.autograd import grouped_linear, recipe_key
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.validation import dtype_name
@@ -81,11 +81,12 @@ class GroupedLinear(torch.nn.Module):
         self.num_groups = _positive("num_groups", num_groups)
         self.in_features = _positive("in_features", in_features)
         self.out_features = _positive("out_features", out_features)
-        self.recipe = get_recipe(recipe)
+        self._recipe = get_recipe(recipe)
+        self._recipe_key = recipe_key(self._recipe)
         self.separate_weights = _flag("separate_weights", separate_weights)
         self.fuse_wgrad_accumulation = _flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
         self.use_bias = _flag("bias", bias)
-        factory = {"dtype": _param_dtype(self.recipe, dtype), "device": device}
+        factory = {"dtype": _param_dtype(self._recipe, dtype), "device": device}
         g, n, k = num_groups, out_features, in_features
         if separate_weights:
             for i in range(g):
@@ -97,6 +98,11 @@ class GroupedLinear(torch.nn.Module):
             bias_param = torch.nn.Parameter(torch.empty(g, n, **factory)) if bias else None
             self.register_parameter("bias", bias_param)
         self.reset_parameters()
+
+    @property
+    def recipe(self) -> Recipe:
+        """The layer's recipe (fixed at construction: parameters were made for it)."""
+        return self._recipe
 
     @property
     def weights(self) -> list[torch.nn.Parameter]:
@@ -134,7 +140,7 @@ class GroupedLinear(torch.nn.Module):
             weight,
             m_splits,
             bias,
-            recipe=self.recipe,
+            recipe=self._recipe_key,
             out=out,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
         )

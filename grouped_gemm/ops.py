@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import dgrad_op, fwd_op, recipe_key, resolve_recipe, split_args
+from grouped_gemm.autograd import dgrad_op, fwd_op, op_recipe, split_args
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.recipes import Recipe
 
@@ -81,7 +81,7 @@ def gmm(
     the plain recipe of ``a``'s dtype.
     """
     _check(a, b, batch_sizes, trans_b)
-    key = recipe_key(resolve_recipe(recipe, a))
+    key = op_recipe(recipe, a)
     splits, splits_tensor = split_args(batch_sizes)
     if trans_b:
         return fwd_op(a, [b], None, splits, splits_tensor, key, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from grouped_gemm.backends.reference import ReferenceBackend
@@ -275,7 +277,47 @@ def test_bias_grad_sums_in_fp32():
 def test_recipe_key_round_trips():
     custom = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor", "grad_format": "e5m2"})
     assert recipe_key(gg.get_recipe("bf16")) == "bf16"
+    assert recipe_key(custom) == "mxfp8;scale_rule=floor;grad_format=e5m2"
     assert recipe_from_key(recipe_key(custom)) == custom
+    no_grad_format = gg.get_recipe("mxfp8").model_copy(update={"grad_format": None})
+    assert recipe_from_key(recipe_key(no_grad_format)) == no_grad_format
+
+
+@pytest.mark.parametrize(
+    "recipe,error",
+    [
+        ("int8", gg.UnknownRecipeError),
+        ("mxfp8;scale_rule=floor", gg.UnknownRecipeError),
+        (gg.get_recipe("mxfp8").model_copy(update={"act_format": "e2m1"}), gg.UnknownRecipeError),
+        (3, gg.UnknownRecipeError),
+    ],
+)
+def test_bad_recipes_are_named(recipe, error, gen):
+    x, w, _, _ = _inputs(2, 10, 4, 6, gen)
+    with pytest.raises(error, match="recipe"):
+        gg.grouped_linear(x, w, [3, 7], recipe=recipe)
+
+
+def test_default_recipe_needs_a_float_input():
+    with pytest.raises(gg.InvalidTypeError, match="x"):
+        gg.grouped_linear(torch.zeros(4, 6, dtype=torch.int32), torch.zeros(2, 4, 6), [2, 2])
+
+
+@pytest.mark.parametrize("backward_thread", ["caller", "other"])
+def test_backward_uses_the_dispatch_scope_of_the_forward(backward_thread, spy, gen):
+    """On CUDA, autograd runs backward nodes on its own threads, which do not see the
+    caller's context variables; the eager route carries the forward's context there."""
+    x, w, _, dy = _inputs(2, 10, 4, 6, gen)
+    with gg.use_backends("reference"):
+        y = gg.grouped_linear(_leaf(x), _leaf(w), [3, 7])
+    if backward_thread == "caller":
+        y.backward(dy)
+    else:
+        worker = threading.Thread(target=y.backward, args=(dy,))
+        worker.start()
+        worker.join()
+    assert spy.problems == []
+    assert gg.dispatch_stats()["selected"] == {"reference": 3}
 
 
 # ------------------------------------------------------------------ the custom ops
