@@ -29,9 +29,9 @@ def assert_accurate(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def assert_accumulated(got: torch.Tensor, base: torch.Tensor, increment: torch.Tensor) -> None:
-    """fp32 buffers: 60 dB. bf16 buffers: cuBLAS's in-place bf16 addmm measured at the
-    accuracy of two roundings (the product's, then the sum's) on H200 / torch 2.11, so the
-    floor is that of exactly two roundings, less 1 dB."""
+    """fp32 buffers: 60 dB. bf16 buffers: cuBLAS's in-place bf16 addmm rounds the product
+    and then the sum for small outputs (seen on H200 / torch 2.11, docs/backends.md), so
+    the floor is that of exactly two roundings, less 1 dB."""
     expected = base.double() + increment
     if got.dtype == torch.float32:
         assert sqnr_db(got, expected) >= 60.0
