@@ -107,7 +107,14 @@ def test_edge_cases(fmt, rule, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("shape", "axis", "pad"),
-    [((7, 96), -1, False), ((5, 70), -1, True), ((64, 9), 0, False), ((3, 40, 6), 1, True), ((2, 3, 64), 2, False)],
+    [
+        ((7, 96), -1, False),
+        ((5, 70), -1, True),
+        ((4, 33), -1, True),
+        ((64, 9), 0, False),
+        ((3, 40, 6), 1, True),
+        ((2, 3, 64), 2, False),
+    ],
 )
 def test_random_data(fmt, rule, dtype, shape, axis, pad):
     gen = torch.Generator().manual_seed(hash((fmt, rule, shape)) % 2**31)

@@ -10,6 +10,8 @@ triton was imported (Triton decides at import which of its own functions are int
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
@@ -33,15 +35,25 @@ def _check_runnable(x: torch.Tensor) -> None:
 _RULE_IDS = {name: i for i, name in enumerate(SCALE_RULES)}
 
 
+@functools.cache
+def _native_fp8(device: torch.device) -> bool:
+    """Whether the chip converts fp32 to OCP fp8 in hardware (NVIDIA sm_89+): its
+    round-to-nearest-even conversion replaces the integer rounding for E4M3 / E5M2."""
+    if device.type != "cuda" or torch.version.hip or isinstance(triton_kernels.quantize_last, InterpretedFunction):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
     return {
         "BF16_BITS": x.dtype == torch.int16,
+        "NATIVE": fmt.bits == 8 and _native_fp8(x.device),
         "RULE": _RULE_IDS[rule],
         "EMAX": fmt.emax,
         "MAX_MANT": fmt.max_mantissa,
         "MBITS": fmt.mbits,
         "BIAS": fmt.bias,
-        "MAX_BITS": fmt.max_bits,
+        "MAX_VALUE": fmt.max_value,
         "NBITS": fmt.bits,
     }
 
@@ -51,14 +63,18 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, tile) -> None:
+    # Default tile: 16 blocks x 8 rows, 4 warps (the fastest of benchmarks/quantize_mx.py's
+    # sweep on an H200 for 8192 x 7168 bf16).
     nblocks = padded // block_size
-    tile_blocks = tile[0] if tile else _pow2_at_most(nblocks, max(1, 256 // block_size))
+    tile_blocks = tile[0] if tile else _pow2_at_most(nblocks, max(1, 512 // block_size))
     tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, 4096 // (tile_blocks * block_size)))
     warps = tile[2] if tile else 4
     col_tiles = triton.cdiv(nblocks, tile_blocks)
     grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
+    # E2M1 from a 16-bit input reads each element pair as one 32-bit word.
+    words = fmt.bits == 4 and x.element_size() == 2 and length % 2 == 0 and x.data_ptr() % 4 == 0
     triton_kernels.quantize_last[grid](
-        x,
+        x.view(torch.int32) if words else x,
         data,
         scale,
         rows,
@@ -68,15 +84,17 @@ def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, ti
         BLOCK=block_size,
         TILE_ROWS=tile_rows,
         TILE_BLOCKS=tile_blocks,
+        WORDS=words,
         num_warps=warps,
         **_format_args(x, fmt, rule),
     )
 
 
 def _launch_strided(x, row_map, data, scale, outer, length, padded, inner, fmt, rule, block_size, tile) -> None:
+    # Default tiles: 128 columns x 1 block (fp8), 256 x 4 (E2M1), the sweep's fastest (H200).
     nblocks = padded // block_size
-    tile_inner = tile[0] if tile else _pow2_at_most(inner, 128)
-    tile_blocks = tile[1] if tile else _pow2_at_most(nblocks, max(1, 4096 // (tile_inner * block_size)))
+    tile_inner = tile[0] if tile else _pow2_at_most(inner, 128 if fmt.bits == 8 else 256)
+    tile_blocks = tile[1] if tile else _pow2_at_most(nblocks, 1 if fmt.bits == 8 else 4)
     warps = tile[2] if tile else 4
     block_tiles = triton.cdiv(nblocks, tile_blocks)
     inner_tiles = triton.cdiv(inner, tile_inner)
