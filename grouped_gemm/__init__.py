@@ -46,7 +46,7 @@ from grouped_gemm.errors import (
     UnknownRecipeError,
 )
 from grouped_gemm.inputs import GroupedInputs
-from grouped_gemm.mx import MXTensor, quantize_mx
+from grouped_gemm.mx import MXRows, MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
@@ -75,6 +75,7 @@ __all__ = [
     "GroupedLinear",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "MXRows",
     "MXTensor",
     "Problem",
     "Reason",
@@ -99,6 +100,8 @@ __all__ = [
     "ops",
     "plugin_failures",
     "quantize_mx",
+    "quantize_mx_rows",
+    "quantize_mx_weight",
     "register_backend",
     "reset_config",
     "reset_dispatch_stats",

@@ -5,7 +5,18 @@ See docs/mx_formats.md for the rules and where they come from.
 """
 
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS, SCALE_RULES, MXFormat
+from grouped_gemm.mx.grouped import MXRows, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.mx.quantize import quantize_mx
 from grouped_gemm.mx.tensor import MXTensor
 
-__all__ = ["BLOCK_SIZE", "FORMATS", "SCALE_RULES", "MXFormat", "MXTensor", "quantize_mx"]
+__all__ = [
+    "BLOCK_SIZE",
+    "FORMATS",
+    "SCALE_RULES",
+    "MXFormat",
+    "MXRows",
+    "MXTensor",
+    "quantize_mx",
+    "quantize_mx_rows",
+    "quantize_mx_weight",
+]

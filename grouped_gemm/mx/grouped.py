@@ -1,0 +1,161 @@
+"""Grouped helpers: what MoE backends quantize, with the block axis each op needs.
+
+- Weights ``(G, N, K)``: along K for the forward pass, and separately along N for dgrad
+  (``dx_g = dy_g @ w_g`` contracts over N). The two are different tensors: neither is
+  the other's transpose.
+- Token rows of G groups (``x`` or ``dy`` of wgrad, which contracts over M): along M, per
+  group, each group padded with zero rows to a multiple of ``align`` so that no block
+  straddles two groups. The padded group starts (``padded_offsets``) are kept apart from
+  the tight ones (``offsets``): kernels read the quantized operand at the first and the
+  original rows at the second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
+from grouped_gemm.mx import torch_quantizer
+from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
+from grouped_gemm.mx.quantize import check_args, quantize_mx
+from grouped_gemm.mx.tensor import MXTensor
+
+_WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
+
+
+def quantize_mx_weight(
+    w: torch.Tensor | list[torch.Tensor],
+    fmt: str,
+    *,
+    op: Literal["fwd", "dgrad"] = "fwd",
+    scale_rule: str = "rceil",
+    block_size: int = BLOCK_SIZE,
+    pad: bool = False,
+) -> MXTensor:
+    """Quantize a ``(G, N, K)`` weight (or a list of G ``(N, K)`` tensors, stacked) for ``op``:
+    along K (axis 2) for ``"fwd"``, along N (axis 1) for ``"dgrad"``."""
+    if op not in _WEIGHT_AXIS:
+        raise InvalidArgumentError("op", op, "'fwd' (blocks along K) or 'dgrad' (blocks along N)")
+    if isinstance(w, (list, tuple)):
+        if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w):
+            raise InvalidTypeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
+        w = torch.stack(list(w))
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ShapeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
+    return quantize_mx(w, fmt, axis=_WEIGHT_AXIS[op], scale_rule=scale_rule, block_size=block_size, pad=pad)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MXRows:
+    """Token rows of G groups quantized along M, each group zero-padded to ``align`` rows.
+
+    ``tensor`` is an ``(R, C)`` MXTensor along axis 0; group g owns its rows
+    ``[padded_offsets[g], padded_offsets[g + 1])``, of which the first ``m_splits[g]`` are
+    the group's rows ``[offsets[g], offsets[g + 1])`` of the input and the rest zeros.
+    ``offsets`` / ``padded_offsets`` are ``(G + 1,)`` int32 tensors on the data's device.
+    With host splits ``R == padded_offsets[-1]`` and ``padded_splits`` is a list; with
+    splits on the device nothing is synchronized: ``R`` is the bound
+    ``M + G * (align - 1)`` rounded up to ``align`` (the tail is zero rows) and
+    ``padded_splits`` is a device tensor.
+    """
+
+    tensor: MXTensor
+    m_splits: list[int] | torch.Tensor
+    padded_splits: list[int] | torch.Tensor
+    offsets: torch.Tensor
+    padded_offsets: torch.Tensor
+    align: int
+
+    @property
+    def groups(self) -> int:
+        return self.offsets.numel() - 1
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tight ``(M, C)`` rows again (padding rows dropped)."""
+        full = self.tensor.dequantize(dtype)
+        return full[_row_map(self, full.device) >= 0]
+
+
+def _row_map(rows: MXRows, device: torch.device) -> torch.Tensor:
+    sizes = torch.diff(rows.offsets.to(device, torch.int64))
+    return _build_row_map(sizes, rows.tensor.shape[0], rows.align)[0]
+
+
+def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row map, tight offsets, padded offsets): padded row p reads input row
+    ``row_map[p]`` (-1: a zero row). All on ``sizes.device``, no host sync."""
+    zero = sizes.new_zeros(1)
+    padded = (sizes + align - 1) // align * align
+    pend = torch.cumsum(padded, 0)
+    tend = torch.cumsum(sizes, 0)
+    pstart = pend - padded
+    tstart = tend - sizes
+    p = torch.arange(total, device=sizes.device)
+    g = torch.searchsorted(pend, p, right=True)
+    gc = g.clamp(max=sizes.numel() - 1)
+    local = p - pstart[gc]
+    valid = (g < sizes.numel()) & (local < sizes[gc])
+    row_map = torch.where(valid, tstart[gc] + local, -1).to(torch.int32)
+    return row_map, torch.cat([zero, tend]).to(torch.int32), torch.cat([zero, pend]).to(torch.int32)
+
+
+def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | None, torch.Tensor]:
+    """(host list or None, int64 sizes on ``device``) for validated-enough splits."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
+            raise SplitsError("m_splits", m_splits, "a 1-D integer tensor")
+        if m_splits.device.type != "cpu":
+            return None, m_splits.to(device, torch.int64)
+        m_splits = m_splits.tolist()
+    if not isinstance(m_splits, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in m_splits
+    ):
+        raise SplitsError("m_splits", m_splits, "a list of ints or a 1-D integer tensor")
+    if not m_splits or min(m_splits) < 0 or sum(m_splits) != rows:
+        raise SplitsError("m_splits", m_splits, f"at least one non-negative group size, summing to t.shape[0]={rows}")
+    host = list(m_splits)
+    return host, torch.tensor(host, dtype=torch.int64).to(device)
+
+
+def quantize_mx_rows(
+    t: torch.Tensor,
+    m_splits: list[int] | torch.Tensor,
+    fmt: str,
+    *,
+    align: int = BLOCK_SIZE,
+    scale_rule: str = "rceil",
+    block_size: int = BLOCK_SIZE,
+) -> MXRows:
+    """Quantize the rows of ``t`` ``(M, C)`` along M per group (``m_splits``), padding every
+    group with zero rows to a multiple of ``align`` (a multiple of ``block_size``: 32, or
+    a backend's K block for wgrad). On CUDA / ROCm the fused kernel reads the rows in
+    place; on the CPU the padded rows are gathered, then quantized by torch."""
+    check_args(t, fmt, 0, scale_rule, block_size, True)
+    if t.dim() != 2:
+        raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")
+    if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:
+        raise InvalidArgumentError("align", align, f"a positive multiple of block_size={block_size}")
+    host, sizes = _sizes(m_splits, t.shape[0], t.device)
+    groups = sizes.numel()
+    if host is not None:
+        total = sum(-(-s // align) * align for s in host)
+    else:
+        total = -(-(t.shape[0] + groups * (align - 1)) // align) * align
+    row_map, offsets, padded_offsets = _build_row_map(sizes, total, align)
+    if t.device.type == "cuda":  # CUDA and ROCm
+        from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
+
+        tensor = triton_quantizer.quantize_rows(t, row_map, FORMATS[fmt], scale_rule, block_size)
+    else:
+        source = t if t.shape[0] else t.new_zeros(1, t.shape[1])
+        gathered = torch.where((row_map >= 0).unsqueeze(1), source[row_map.clamp(min=0).long()], 0)
+        tensor = torch_quantizer.quantize(gathered, FORMATS[fmt], 0, scale_rule, block_size, 0)
+    padded_splits: list[int] | torch.Tensor
+    if host is not None:
+        padded_splits = [-(-s // align) * align for s in host]
+    else:
+        padded_splits = torch.diff(padded_offsets)
+    return MXRows(tensor, m_splits, padded_splits, offsets, padded_offsets, align)
