@@ -8,12 +8,14 @@ dispatcher (see ``grouped_gemm.autograd``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import grouped_linear, recipe_key
+from grouped_gemm.autograd import grouped_linear, recipe_key, weight_operand
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
+from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.validation import dtype_name
 
@@ -47,6 +49,47 @@ def _param_dtype(recipe: Recipe, dtype: torch.dtype | None) -> torch.dtype:
     return dtype
 
 
+class QuantizedWeightCache:
+    """MX copies of a layer's weights for an MX recipe, made once per weight version.
+
+    The forward pass needs the weight blocked along K and dgrad along N (two different
+    tensors, see ``gg.quantize_mx_weight``); each is made on first use and reused until a
+    weight changes. A weight counts as changed when its autograd version counter
+    (``_version``: bumped by every in-place update, e.g. ``optimizer.step()`` or
+    ``copy_`` under ``no_grad``), its storage (``.data = ...``, ``.to(...)``) or its
+    identity changes. Writes through ``.data`` (``w.data.copy_(...)``) bypass the version
+    counter: call ``GroupedLinear.refresh_quantized_weights()`` after them.
+    """
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self._entries: dict[str, tuple[tuple, MXTensor]] = {}
+        self.quantizations = 0
+
+    def get(self, weights: list[torch.Tensor], op: str) -> MXTensor:
+        """The weights quantized for ``op`` (``"fwd"`` or ``"dgrad"``)."""
+        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
+        hit = self._entries.get(op)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        with torch.no_grad():
+            w = weights[0].detach() if len(weights) == 1 else [t.detach() for t in weights]
+            q = quantize_mx_weight(
+                w,
+                self.recipe.weight_format,
+                op=op,
+                scale_rule=self.recipe.scale_rule,
+                block_size=self.recipe.block_size,
+            )
+        self._entries[op] = (key, q)
+        self.quantizations += 1
+        return q
+
+    def clear(self) -> None:
+        """Forget every quantized copy (the next use quantizes again)."""
+        self._entries.clear()
+
+
 class GroupedLinear(torch.nn.Module):
     """G experts' linear layers: ``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``.
 
@@ -62,6 +105,11 @@ class GroupedLinear(torch.nn.Module):
     ``main_grad`` (which the caller allocates, as Megatron-LM's DDP does) instead of
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
     ``grouped_gemm.autograd.fused_grad_placeholder``).
+
+    With an MX recipe the weights are quantized once per weight version and the quantized
+    copies reused across forwards (``QuantizedWeightCache``) when their contraction
+    dimension is a whole number of MX blocks; otherwise the backend quantizes per call.
+    Under ``torch.compile`` the compiled op quantizes per call.
     """
 
     def __init__(
@@ -98,6 +146,7 @@ class GroupedLinear(torch.nn.Module):
             bias_param = torch.nn.Parameter(torch.empty(g, n, **factory)) if bias else None
             self.register_parameter("bias", bias_param)
         self.reset_parameters()
+        self._quantized = QuantizedWeightCache(self._recipe) if self._recipe.is_mx else None
 
     @property
     def recipe(self) -> Recipe:
@@ -127,6 +176,25 @@ class GroupedLinear(torch.nn.Module):
             for p in self.weights + self.biases:
                 p.uniform_(-bound, bound)
 
+    def refresh_quantized_weights(self) -> None:
+        """Drop the cached MX weights; call after writing weights through ``.data``."""
+        if self._quantized is not None:
+            self._quantized.clear()
+
+    def _weight_for(self) -> Callable[[str], Any] | None:
+        """The cached-quantized-weight provider for the eager route, when it applies."""
+        cache = self._quantized
+        if cache is None:
+            return None
+        block = self._recipe.block_size
+        whole = {"fwd": self.in_features % block == 0, "dgrad": self.out_features % block == 0}
+        weights = self.weights
+
+        def weight_for(op: str) -> Any:
+            return cache.get(weights, op) if whole[op] else weight_operand(weights)
+
+        return weight_for
+
     def forward(self, x: torch.Tensor, m_splits: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(M, in_features)``, rows grouped by ``m_splits`` (G ints or a 1-D integer
         tensor, on the host or the device) -> ``(M, out_features)``, written into ``out``
@@ -143,6 +211,7 @@ class GroupedLinear(torch.nn.Module):
             recipe=self._recipe_key,
             out=out,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            weight_for=None if torch.compiler.is_compiling() else self._weight_for(),
         )
 
     def extra_repr(self) -> str:

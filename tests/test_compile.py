@@ -58,7 +58,7 @@ class MoEMLP(torch.nn.Module):
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, recipe: str, **kwargs) -> None:
         super().__init__()
-        dtype = getattr(torch, gg.get_recipe(recipe).plain_dtype)
+        dtype = getattr(torch, gg.get_recipe(recipe).plain_dtype or "bfloat16")
         self.router = torch.nn.Linear(hidden, experts, bias=False, dtype=dtype)
         self.gate_up = gg.GroupedLinear(experts, hidden, 2 * ffn, recipe=recipe, **kwargs)
         self.down = gg.GroupedLinear(experts, ffn, hidden, recipe=recipe)
@@ -110,6 +110,22 @@ def test_moe_fullgraph_matches_eager_and_reuses_one_graph(recipe, gen):
         for name in grads:
             assert rel_error(grads_c[name], grads[name]) < 1e-6, name
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_mx_recipe_compiles_and_matches_eager(gen):
+    """Compiled, the op quantizes the weights per call; eager uses the layer's cached copy:
+    the same quantizer, so the same numbers."""
+    torch.manual_seed(0)
+    model = MoEMLP(64, 32, 4, 2, "mxfp8")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    with gg.use_backends("reference", strict=True):
+        y, dx, grads = _step(model, x)
+        yc, dxc, grads_c = _step(model, x, compiled)
+    assert rel_error(yc, y) < 1e-6 and rel_error(dxc, dx) < 1e-6
+    for name in grads:
+        assert rel_error(grads_c[name], grads[name]) < 1e-6, name
+    assert model.gate_up._quantized.quantizations == 2
 
 
 def test_moe_fullgraph_with_inductor(gen):

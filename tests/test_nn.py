@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.testing import poison, ref_wgrad, rel_error
+from grouped_gemm.testing import poison, ref_wgrad, rel_error, sqnr_db
 
 
 def expert_linears(layer: gg.GroupedLinear) -> list[torch.nn.Linear]:
@@ -172,6 +172,92 @@ def test_input_dtype_must_match_recipe(gen):
 def test_extra_repr_names_the_configuration():
     text = repr(gg.GroupedLinear(2, 16, 8, recipe="fp32", separate_weights=True))
     assert "num_groups=2" in text and "recipe=fp32" in text and "separate_weights=True" in text
+
+
+@pytest.fixture
+def on_reference():
+    """MX tests run on the reference backend (kernel backends run in the Triton interpreter
+    on a CPU, far too slowly for these)."""
+    with gg.use_backends("reference", strict=True):
+        yield
+
+
+def _mx_layer(recipe: str = "mxfp8", **kwargs) -> gg.GroupedLinear:
+    torch.manual_seed(3)
+    return gg.GroupedLinear(4, 64, 32, recipe=recipe, **kwargs)
+
+
+def test_mx_weights_are_quantized_once_per_version(on_reference, gen):
+    layer = _mx_layer()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    with torch.no_grad():
+        first = layer(x, splits)
+        layer(x, splits)
+    assert layer._quantized.quantizations == 1  # fwd copy only
+    x.requires_grad_()
+    layer(x, splits).float().sum().backward()
+    layer(x, splits).float().sum().backward()
+    assert layer._quantized.quantizations == 2  # + the dgrad copy, reused by the second step
+    optimizer.step()
+    after = layer(x, splits)
+    assert layer._quantized.quantizations == 3  # the weight changed: fwd copy refreshed
+    assert not torch.equal(after, first)
+    # The cached copy gives exactly what quantizing the current weight per call gives.
+    per_call = gg.grouped_gemm(x.detach(), layer.weight.detach(), splits, recipe="mxfp8")
+    assert torch.equal(after, per_call + _bias(layer, splits))
+
+
+def _bias(layer: gg.GroupedLinear, splits: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(layer.bias.detach(), torch.tensor(splits), dim=0)
+
+
+def test_mx_cache_sees_storage_swaps_and_explicit_refresh(on_reference, gen):
+    layer = _mx_layer(bias=False)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    before = layer(x, splits)
+    layer.weight.data = layer.weight.data * 2  # new storage, same version counter
+    assert torch.equal(layer(x, splits), 2 * before)  # scaling by 2 is exact in MX
+    layer.weight.data.copy_(layer.weight.data / 2)  # bypasses the version counter ...
+    assert torch.equal(layer(x, splits), 2 * before)  # ... so the stale copy is used
+    layer.refresh_quantized_weights()
+    assert torch.equal(layer(x, splits), before)
+
+
+def test_mx_separate_weights_match_stacked(on_reference, gen):
+    stacked = _mx_layer()
+    separate = _mx_layer(separate_weights=True)
+    with torch.no_grad():
+        for g in range(4):
+            separate.weights[g].copy_(stacked.weight[g])
+            separate.biases[g].copy_(stacked.bias[g])
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    assert torch.equal(stacked(x, [16, 0, 24, 8]), separate(x, [16, 0, 24, 8]))
+    assert separate._quantized.quantizations == 1
+
+
+def test_mx_unaligned_features_quantize_per_call(on_reference, gen):
+    """K=40 is not a whole number of 32-blocks: the backend pads and quantizes per call."""
+    layer = gg.GroupedLinear(2, 40, 24, recipe="mxfp8")
+    x = torch.randn(10, 40, generator=gen).bfloat16().requires_grad_()
+    y = layer(x, [3, 7])
+    y.float().sum().backward()
+    assert layer._quantized.quantizations == 0
+    with torch.no_grad():
+        want = run_experts(expert_linears(layer), x.double(), [3, 7])
+    assert sqnr_db(y, want) > 25
+
+
+def test_mx_fused_wgrad_accumulation(on_reference, gen):
+    layer = _mx_layer(fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(4, 32, 64)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    dy = torch.randn(48, 32, generator=gen).bfloat16()
+    layer(x, [16, 0, 24, 8]).backward(dy)
+    assert sqnr_db(layer.weight.main_grad, ref_wgrad(dy, x, [16, 0, 24, 8])) > 22
+    assert not layer.weight.main_grad[1].any()
 
 
 @pytest.mark.gpu
