@@ -104,9 +104,30 @@ def test_host_timing_cycles_sets_and_respects_bounds():
     plan = timing.TimingPlan(warmup_ms=0.0, rep_ms=1e6, min_reps=4, max_reps=7)
     times = timing.time_calls(seen.append, 3, torch.device("cpu"), plan)
     assert len(times) == 7 and all(t >= 0 for t in times)
-    assert set(seen) == {0, 1, 2} and seen[-7:] == [0, 1, 2, 0, 1, 2, 0]
-    split = timing.TimingPlan(rep_ms=90.0, min_reps=5, max_reps=200, rounds=3).per_round()
-    assert (split.rep_ms, split.min_reps, split.max_reps, split.rounds) == (30.0, 2, 66, 1)
+    assert set(seen) == {0, 1, 2} and seen[-8:] == [0, 1, 2, 0, 1, 2, 0, 1]  # 1 warm-up, 7 timed
+
+
+def test_interleaved_timing_alternates_staggers_sets_and_isolates_a_failure():
+    order: list[tuple[str, int]] = []
+    calls = {"a": 0}
+
+    def fails_later(i: int) -> None:
+        calls["a"] += 1
+        if calls["a"] > 6:
+            raise RuntimeError("boom")
+
+    plan = timing.TimingPlan(warmup_ms=0.0, rep_ms=1e6, min_reps=5, max_reps=5)
+    results = timing.time_interleaved(
+        [lambda i: order.append(("x", i)), fails_later, lambda i: order.append(("y", i))],
+        [6, 1, 6],
+        torch.device("cpu"),
+        plan,
+    )
+    assert len(results[0]) == 5 and len(results[2]) == 5
+    assert isinstance(results[1], RuntimeError) and "boom" in str(results[1])
+    timed = order[-10:]  # warm-up 1 + 5 timed iterations, x and y in turn
+    assert [name for name, _ in timed] == ["x", "y"] * 5
+    assert [i for _, i in timed] == [1, 5, 2, 0, 3, 1, 4, 2, 5, 3]  # y staggered by 6 // 3 * 2 sets
 
 
 def test_ceilings_on_the_cpu():
@@ -303,7 +324,6 @@ def test_prequantized_weights_are_mx_tensors_when_quantize_mx_exists(tmp_path, c
         (["--cases", "nope"], "cases='nope'"),
         (["--scale", "2"], "scale=2.0"),
         (["--min-reps", "0"], "min-reps/max-reps"),
-        (["--rounds", "0"], "rounds=0"),
         (["--warmup-ms", "nan"], "warmup-ms=nan"),
     ],
 )

@@ -21,7 +21,7 @@ from grouped_gemm.bench.ceilings import Ceilings, matmul_kind
 from grouped_gemm.bench.operands import DTYPES, OperandSets, make_operands
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.shapes import Case
-from grouped_gemm.bench.timing import TimingPlan, median, time_calls
+from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_interleaved
 from grouped_gemm.check import sqnr_floor
 from grouped_gemm.problem import Op, Problem
 
@@ -68,7 +68,6 @@ class Row:
     status: str  # "ok", "wrong" (failed the accuracy check), "error", "skipped"
     note: str = ""
     times_ms: list[float] = dataclasses.field(default_factory=list)
-    round_medians_ms: list[float] = dataclasses.field(default_factory=list)
     median_ms: float | None = None
     tflops: float | None = None
     gbs: float | None = None
@@ -133,11 +132,6 @@ def _selected(decision: gg.Decision, wanted: str | tuple[str, ...]) -> tuple[lis
     return [n for n in wanted if n not in skipped], skipped
 
 
-#: What a failing backend or peer call may raise (the dispatcher wraps backend errors in
-#: BackendRunError; torch raises RuntimeError, including out-of-memory).
-_CALL_ERRORS = (gg.GroupedGemmError, RuntimeError, ValueError, TypeError, NotImplementedError)
-
-
 def _error_note(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -161,26 +155,19 @@ def _first_call(c: Contender, sample: accuracy.Sample | None, floor: float) -> N
         if sample is not None:
             c.row.sqnr_db = sample.sqnr(out)
             c.row.sqnr_floor_db = floor
-    except _CALL_ERRORS as exc:
+    except CALL_ERRORS as exc:
         c.row.status, c.row.note = "error", _error_note(exc)
 
 
-def _time_rounds(contenders: list[Contender], device: torch.device, plan: TimingPlan) -> None:
-    """Time every contender in ``plan.rounds`` rounds, rotating who goes first, so clock
-    and temperature drift within a problem falls on all of them alike."""
+def _time(contenders: list[Contender], device: torch.device, plan: TimingPlan) -> None:
+    """Time the contenders that ran once without error, call by call in turn."""
     live = [c for c in contenders if c.row.status != "error"]
-    per_round = plan.per_round()
-    for r in range(plan.rounds):
-        for c in live[r % max(1, len(live)) :] + live[: r % max(1, len(live))]:
-            if c.row.status == "error":
-                continue
-            try:
-                times = time_calls(c.fn, c.sets, device, per_round)
-            except _CALL_ERRORS as exc:
-                c.row.status, c.row.note = "error", _error_note(exc)
-                continue
-            c.row.times_ms += times
-            c.row.round_medians_ms.append(median(times))
+    timed = time_interleaved([c.fn for c in live], [c.sets for c in live], device, plan)
+    for c, result in zip(live, timed, strict=True):
+        if isinstance(result, Exception):
+            c.row.status, c.row.note = "error", _error_note(result)
+        else:
+            c.row.times_ms = result
 
 
 def _finish(c: Contender, ceilings: Ceilings, live_groups: int) -> None:
@@ -264,7 +251,7 @@ class Sweep:
             contenders.append(c)
         if opts.peer:
             contenders += self._peer(job, splits, operands, sample, decision.problem)
-        _time_rounds(contenders, opts.device, opts.plan)
+        _time(contenders, opts.device, opts.plan)
         live_groups = sum(1 for rows in splits if rows)
         for c in contenders:
             _finish(c, self.ceilings, live_groups)
@@ -305,7 +292,7 @@ def _prequantize(job: Job, operands: OperandSets) -> tuple[str | None, torch.Ten
         for s in operands.sets:
             s.b = mx_weights.quantize_weight(s.b, job.recipe, job.op)
         return None, mx_weights.dequantized(operands.first.b, original)
-    except (gg.GroupedGemmError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+    except (*CALL_ERRORS, AttributeError) as exc:
         return f"quantizing the weight failed: {_error_note(exc)}", original
 
 
