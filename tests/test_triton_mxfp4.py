@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from grouped_gemm.backends.triton_mxfp4 import TritonMxfp4Backend, launch, layouts
-from grouped_gemm.backends.triton_mxfp4.upcast_kernel import _weight_chunk
+from grouped_gemm.backends.triton_mxfp4.upcast_kernel import _block
 
 import grouped_gemm as gg
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
@@ -153,15 +153,16 @@ def test_prequantized_operands_and_layout_cache(path, gen):
 def test_upcast_layout_round_trip(gen):
     """The layout holds the same codes and scales, rearranged: decode it back."""
     for op in ("fwd", "dgrad"):
-        w = quantize_mx_weight(torch.randn(2, 64, 96, generator=gen), "e2m1", op=op)
+        w = quantize_mx_weight(torch.randn(2, 64, 160, generator=gen), "e2m1", op=op)
         lay = layouts.build_upcast_weight(w)
-        lo, hi = lay.data & 15, lay.data >> 4
-        chunks = torch.stack((lo.reshape(2, lay.rows, -1, 32), hi.reshape(2, lay.rows, -1, 32)), dim=3)
-        codes = chunks.reshape(2, lay.rows, -1)[..., : lay.k_red]
+        runs = lay.k_padded // 128
+        nibbles = torch.stack([(lay.data >> (4 * i)) & 15 for i in range(8)], dim=-1)  # g, row, word, j + 4h
+        nibbles = nibbles.reshape(2, lay.rows, runs, 4, 4, 2, 4)  # g, row, run, q, b, h, j
+        codes = nibbles.permute(0, 1, 2, 4, 6, 3, 5).reshape(2, lay.rows, -1)[..., : lay.k_red]
         words = lay.scales.transpose(1, 2)
         blocks = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(2, lay.rows, -1)
         as_mx = MXTensor(
-            data=codes[..., 0::2] | (codes[..., 1::2] << 4),
+            data=(codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8),
             scale=blocks[..., : lay.k_red // 32].to(torch.uint8).contiguous(),
             fmt="e2m1",
             axis=2,
@@ -173,22 +174,25 @@ def test_upcast_layout_round_trip(gen):
 
 @triton.jit
 def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr):
-    """Store the upcast kernel's decode of the first 64-element chunk of BN weight rows."""
+    """Store the upcast kernel's decode of the first 128 contraction elements of BN rows."""
     rn = tl.arange(0, BN)
-    tile = _weight_chunk(W + rn * stride_w, tl.load(S + rn), 0, rn < BN, PTX)
-    tl.store(Out + rn[:, None] * 64 + tl.arange(0, 64)[None, :], tile)
+    run_scales = tl.load(S + rn)
+    for b in tl.static_range(4):
+        words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 4 + b)
+        values = _block(words, run_scales, b, PTX)
+        tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 
 
 def _check_edge_scales(device, ptx, scale_bytes, gen):
     """Edge scale bytes with every code: the kernel's decode equals MXTensor.dequantize bit
     for bit (subnormal, infinite and NaN results included)."""
     n = 256
-    codes = torch.randint(0, 256, (1, n, 32), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(0, 256, (1, n, 64), generator=gen, dtype=torch.uint8)
     scale_bytes = torch.tensor(scale_bytes, dtype=torch.uint8)
-    scale = scale_bytes[torch.randint(0, len(scale_bytes), (1, n, 2), generator=gen)]
-    w = MXTensor(data=codes, scale=scale, fmt="e2m1", axis=2, shape=(1, n, 64)).to(device)
+    scale = scale_bytes[torch.randint(0, len(scale_bytes), (1, n, 4), generator=gen)]
+    w = MXTensor(data=codes, scale=scale, fmt="e2m1", axis=2, shape=(1, n, 128)).to(device)
     lay = layouts.build_upcast_weight(w)
-    out = torch.empty(n, 64, dtype=torch.bfloat16, device=device)
+    out = torch.empty(n, 128, dtype=torch.bfloat16, device=device)
     _decode_tile[(1,)](lay.data[0], lay.data.stride(1), lay.scales[0, 0], out, BN=n, PTX=ptx)
     want = w.dequantize(torch.bfloat16)[0]
     assert ((out == want) | (torch.isnan(out) & torch.isnan(want))).all()

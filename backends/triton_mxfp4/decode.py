@@ -5,24 +5,27 @@ representable in fp32 and, E2M1 having two significant bits and E4M3 four, in bf
 (bf16 shares fp32's exponent range, subnormals included). Rounding can therefore only come
 from the matrix units' fp32 accumulation, as in the reference backend.
 
-Two implementations of the E2M1 -> bf16 decode used by the Hopper upcast kernel:
+Two implementations of the E2M1 -> bf16 decode of the Hopper upcast kernel, which takes
+int32 words of eight E2M1 codes (nibble i at bits 4i; see ``layouts.UpcastWeight`` for
+which elements they are) and returns eight bf16 tensors, one per nibble position:
 
-- ``e2m1_pair_to_bf16`` (portable, and what Triton's CPU interpreter runs): integer ops on
+- ``e2m1_words_to_bf16`` (portable, and what Triton's CPU interpreter runs): integer ops on
   fp32 bit patterns, then one fp32 multiply by the scale.
-- ``e2m1_pair_to_bf16_ptx`` (sm_90): PTX on packed registers. Four code bytes at a time:
-  ``prmt`` spreads two bytes into the two 16-bit lanes of a register, two shifts and one
-  ``lop3`` place each nibble's sign at bit 15 and its three magnitude bits at bits 6..8
-  of its lane. That bit pattern, read as bf16, is the E2M1 value times 2^-126 (the E2M1
-  subnormal 0.5 lands on the bf16 subnormal 2^-127, exactly), so two ``mul.bf16x2``
-  by 2^126 and by the block scale give the value, exact for every scale byte: both
-  factors are powers of two that bf16 represents (2^-127 is a bf16 subnormal) and the
-  products only round where the true result overflows, as fp32 would.
+- ``e2m1_words_to_bf16_ptx`` (sm_90): PTX on packed registers. Nibbles i and i + 4 sit 16
+  bits apart, so one ``and`` with 0x000f000f (after a shift by 4i) puts both codes in the
+  two 16-bit lanes of a register; two shifts and one ``lop3`` then place each code's sign
+  at bit 15 and its three magnitude bits at bits 6..8 of its lane. That pattern, read as
+  bf16, is the E2M1 value times 2^-126 (the E2M1 subnormal 0.5 lands on the bf16
+  subnormal 2^-127, exactly), so two ``mul.bf16x2``, by 2^126 and by the block scale,
+  give the value, exact for every scale byte: both factors are powers of two that bf16
+  represents (2^-127 is a bf16 subnormal) and the products only round where the true
+  result overflows, as fp32 would.
 
 A single exponent add (``bits + ((b - 127) << 7)``) would also be exact, but only for
 nonzero normal codes and scale bytes in [2, 252]: zero and the E2M1 subnormal 0.5 need
 selects, and packed 16-bit lanes need carries masked. The two multiplies cost one
 ``mul.bf16x2`` per element pair each, fewer instructions than those fix-ups, and are exact
-everywhere, so the kernel uses them. (Measured instruction mix: docs/notes/triton_mxfp4.md.)
+everywhere, so the kernel uses them. (Instruction mix: docs/notes/triton_mxfp4.md.)
 """
 
 from __future__ import annotations
@@ -83,56 +86,86 @@ def mx_to_fp32(codes, scale, FMT: tl.constexpr):
 
 
 @triton.jit
-def e2m1_pair_to_bf16(packed, scale_lo, scale_hi):
-    """Packed E2M1 bytes -> (low-nibble values * 2^(scale_lo-127), high-nibble values *
-    2^(scale_hi-127)) in bf16. Portable version; the scales broadcast against ``packed``."""
-    lo = e2m1_to_fp32(packed & 15) * e8m0_to_fp32(scale_lo)
-    hi = e2m1_to_fp32(packed >> 4) * e8m0_to_fp32(scale_hi)
-    return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+def e8m0_to_bf16x2(e):
+    """E8M0 bytes -> int32 holding 2^(e - 127) as bf16 in both 16-bit halves (the scale
+    operand of ``mul.bf16x2``); byte 0 is 2^-127 (a bf16 subnormal), 0xFF is NaN.
+
+    ``e * 0x00800080`` puts e in both bf16 exponent fields; the two special bytes (the
+    ones with ``e - 1`` outside [0, 253] as unsigned) also get the mantissa bit 0x40."""
+    t = e.to(tl.uint32)
+    both = t * 0x00800080
+    special = (t - 1) > 253
+    return tl.where(special, both | 0x00400040, both).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def e2m1_pair_to_bf16_ptx(packed, scale_lo, scale_hi):
-    """sm_90 version of ``e2m1_pair_to_bf16`` (see the module docstring); same results."""
-    s_lo = tl.broadcast_to(e8m0_to_bf16(scale_lo), packed.shape)
-    s_hi = tl.broadcast_to(e8m0_to_bf16(scale_hi), packed.shape)
-    # $0,$1: low nibbles of bytes (0,1), (2,3); $2,$3: high nibbles; $4: four code bytes;
-    # $5,$6: low scales, $7,$8: high scales (bf16 pairs in the same element order).
+def _nibble_to_bf16(words, i: tl.constexpr, scale):
+    return (e2m1_to_fp32((words >> (4 * i)) & 15) * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def e2m1_words_to_bf16(words, scale_bits):
+    """int32 words of eight E2M1 codes -> eight bf16 tensors (nibble 0 first), each value
+    times its word's scale. ``scale_bits`` is ``e8m0_to_bf16x2`` of the scale bytes.
+    Portable version."""
+    s = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return (
+        _nibble_to_bf16(words, 0, s),
+        _nibble_to_bf16(words, 1, s),
+        _nibble_to_bf16(words, 2, s),
+        _nibble_to_bf16(words, 3, s),
+        _nibble_to_bf16(words, 4, s),
+        _nibble_to_bf16(words, 5, s),
+        _nibble_to_bf16(words, 6, s),
+        _nibble_to_bf16(words, 7, s),
+    )
+
+
+@triton.jit
+def e2m1_words_to_bf16_ptx(words, scale_bits):
+    """sm_90 version of ``e2m1_words_to_bf16`` (see the module docstring); same results."""
+    # $0..$7: nibbles 0..7; $8: the word; $9: the scale as bf16 in both halves.
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 u, v, a, b, w4, big;
+        .reg .b32 t, a, b, v, big, p0, p1, p2, p3;
         mov.b32 big, 0x7e807e80;
-        prmt.b32 u, $4, 0, 0x4140;
-        shl.b32 a, u, 6;
-        shl.b32 b, u, 12;
+        and.b32 t, $8, 0x000f000f;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
         lop3.b32 v, a, b, 0x81c081c0, 0xa8;
         mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 $0, v, $5;
-        prmt.b32 u, $4, 0, 0x4342;
-        shl.b32 a, u, 6;
-        shl.b32 b, u, 12;
+        mul.rn.bf16x2 p0, v, $9;
+        shr.b32 t, $8, 4;
+        and.b32 t, t, 0x000f000f;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
         lop3.b32 v, a, b, 0x81c081c0, 0xa8;
         mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 $1, v, $6;
-        shr.b32 w4, $4, 4;
-        prmt.b32 u, w4, 0, 0x4140;
-        shl.b32 a, u, 6;
-        shl.b32 b, u, 12;
+        mul.rn.bf16x2 p1, v, $9;
+        shr.b32 t, $8, 8;
+        and.b32 t, t, 0x000f000f;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
         lop3.b32 v, a, b, 0x81c081c0, 0xa8;
         mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 $2, v, $7;
-        prmt.b32 u, w4, 0, 0x4342;
-        shl.b32 a, u, 6;
-        shl.b32 b, u, 12;
+        mul.rn.bf16x2 p2, v, $9;
+        shr.b32 t, $8, 12;
+        and.b32 t, t, 0x000f000f;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
         lop3.b32 v, a, b, 0x81c081c0, 0xa8;
         mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 $3, v, $8;
+        mul.rn.bf16x2 p3, v, $9;
+        mov.b32 {$0, $4}, p0;
+        mov.b32 {$1, $5}, p1;
+        mov.b32 {$2, $6}, p2;
+        mov.b32 {$3, $7}, p3;
         }""",
-        constraints="=r,=r,=r,=r,r,r,r,r,r",
-        args=[packed, s_lo, s_hi],
-        dtype=(tl.bfloat16, tl.bfloat16),
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[words, scale_bits],
+        dtype=(tl.bfloat16,) * 8,
         is_pure=True,
-        pack=4,
+        pack=1,
     )
 
 

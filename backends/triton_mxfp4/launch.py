@@ -48,12 +48,12 @@ def ptx_decode(device: torch.device) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class UpcastConfig:
-    """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 64-element chunks
-    per step, warps, pipeline stages, programs per SM."""
+    """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 32-blocks per
+    contraction step (2 or 4), warps, pipeline stages, programs per SM."""
 
     bm: int
     bn: int
-    chunks: int
+    blocks: int
     warps: int
     stages: int
     per_sm: int
@@ -62,17 +62,17 @@ class UpcastConfig:
 def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring)."""
     if interpreted():
-        return UpcastConfig(bm=16, bn=32, chunks=1, warps=4, stages=1, per_sm=1)
+        return UpcastConfig(bm=16, bn=32, blocks=2, warps=4, stages=1, per_sm=1)
     mean_rows = m / max(groups, 1)
     if mean_rows <= 16:
-        return UpcastConfig(bm=16, bn=128, chunks=2, warps=4, stages=4, per_sm=2)
+        return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 32:
-        return UpcastConfig(bm=32, bn=128, chunks=2, warps=4, stages=4, per_sm=2)
+        return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 64:
-        return UpcastConfig(bm=64, bn=128, chunks=2, warps=4, stages=4, per_sm=1)
+        return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
-        return UpcastConfig(bm=128, bn=128, chunks=2, warps=8, stages=3, per_sm=1)
-    return UpcastConfig(bm=256, bn=128, chunks=1, warps=8, stages=3, per_sm=1)
+        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=3, per_sm=1)
 
 
 def launch_upcast(
@@ -104,13 +104,12 @@ def launch_upcast(
         groups,
         w.rows,
         w.k_red,
-        w.k_padded,
         BM=cfg.bm,
         BN=cfg.bn,
-        CHUNKS=cfg.chunks,
+        BLOCKS=cfg.blocks,
         MAX_G=max_groups_bucket(groups),
         NUM_PROGS=programs,
-        EVEN_K=w.k_red % (64 * cfg.chunks) == 0,
+        EVEN_K=w.k_red % (32 * cfg.blocks) == 0,
         PTX=ptx_decode(a.device),
         INTERP=interpreted(),
         num_warps=cfg.warps,

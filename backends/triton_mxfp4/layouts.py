@@ -4,9 +4,17 @@
 weight quantized along K; dgrad: (K, N) from one quantized along N), contraction padded to
 a multiple of 128 with zero codes:
 
-- ``data`` (G, rows, Kp/2) uint8: in every 64-element chunk, byte j holds element j (low
-  nibble) and element 32 + j (high nibble), so the kernel decodes a (rows, 32) byte tile
-  into two (rows, 32) bf16 tiles with elementwise ops, each inside one 32-block.
+- ``data`` (G, rows, Kp/8) int32: words of eight E2M1 codes, arranged for Hopper's wgmma
+  register operand. In the bf16 A fragment of ``m64nNk16``, the thread with ``q = lane % 4``
+  holds, per row, contraction elements 2q, 2q+1, 2q+8, 2q+9 of each 16; so for every run
+  of 128 elements a row stores 16 words, word ``4q + b`` (q, b in 0..3) holding the
+  elements ``32b + 8j + 2q + h`` of its 32-block b at nibble ``j + 4h`` (j in 0..3, h in
+  0..1). A thread's words are contiguous (16 bytes per 128 elements), every word lies in
+  one 32-block (one scale), and nibbles i and i + 4 are the
+  consecutive elements (k, k+1) that share a register of the fragment, which the decode
+  produces together. The kernel puts the decoded values back in contraction order with
+  join / permute / reshape, which the compiler resolves to register renaming (no data
+  movement: docs/notes/triton_mxfp4.md has the instruction counts).
 - ``scales`` (G, Kp/128, rows) int32: the four E8M0 bytes of each 128-element run of a
   row, little-endian, transposed so a row tile's scales are one contiguous 4-byte-per-row
   load (the software pipeliner only streams loads of at least 4 bytes per thread).
@@ -62,12 +70,15 @@ def build_upcast_weight(mx: MXTensor) -> UpcastWeight:
     rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
     k_red = mx.shape[mx.axis]
     k_padded = -(-k_red // K_ALIGN) * K_ALIGN
-    data = torch.empty(groups, rows, k_padded // 2, dtype=torch.uint8, device=mx.device)
+    data = torch.empty(groups, rows, k_padded // 8, dtype=torch.int32, device=mx.device)
     scales = torch.empty(groups, k_padded // K_ALIGN, rows, dtype=torch.int32, device=mx.device)
     for g in range(groups):
-        codes = torch.nn.functional.pad(_codes_rows_by_contraction(mx, g), (0, k_padded - k_red))
-        chunks = codes.reshape(rows, k_padded // 64, 2, 32)
-        data[g] = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, -1)
+        codes = torch.nn.functional.pad(_codes_rows_by_contraction(mx, g), (0, k_padded - k_red)).to(torch.int64)
+        # Element 32b + 8j + 2q + h of each 128-run -> word 4q + b, nibble j + 4h.
+        runs = codes.reshape(rows, k_padded // K_ALIGN, 4, 4, 4, 2)  # row, run, b, j, q, h
+        nibbles = runs.permute(0, 1, 4, 2, 5, 3).reshape(rows, k_padded // 8, 8)  # row, word (q, b), nibble (h, j)
+        words = (nibbles << (4 * torch.arange(8, device=codes.device))).sum(-1)
+        data[g] = (words - ((words >> 31) << 32)).to(torch.int32)
         blocks = torch.nn.functional.pad(_scales_rows_by_blocks(mx, g), (0, (k_padded - k_red) // 32))
         scales[g] = blocks.contiguous().view(torch.int32).T
     return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)

@@ -1,14 +1,11 @@
 """Hopper (sm_90) grouped kernel: bf16 activations x E2M1 weights, weights upcast in registers.
 
 ``out[rows of g, :] = a[rows of g, :] @ W_g^T`` with ``W_g`` (Nr, Kc) in the upcast layout
-(``layouts.UpcastWeight``): per 64-element chunk of the contraction, byte j holds element j
-in its low nibble and element 32 + j in its high nibble, so one loaded byte tile yields two
-(BN, 32) bf16 tiles by elementwise ops alone, each with a single scale per row (its own
-32-block). The kernel computes the transposed product ``out^T = W . a^T``: the upcast
+(``layouts.UpcastWeight``: int32 words of eight E2M1 codes arranged like wgmma's register
+fragment). The kernel computes the transposed product ``out^T = W . a^T``: the upcast
 weight is the left operand, which Hopper's wgmma reads from registers, so upcast values
-never go through shared memory; the packed bytes and the activations are the pipelined
-shared-memory loads. Scales are stored transposed (Kp/32, Nr) so each 32-block's scales
-for a row tile are one contiguous load.
+never go through shared memory; the packed words, their scales and the activations are
+the software-pipelined shared-memory loads (cp.async, 16 bytes per thread for the words).
 
 The same kernel serves fwd (weight quantized along K) and dgrad (weight quantized along N,
 laid out as (K, N)): only the layout differs.
@@ -18,7 +15,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import bf16_dot, e2m1_pair_to_bf16, e2m1_pair_to_bf16_ptx
+from grouped_gemm.backends.triton_mxfp4.decode import (
+    bf16_dot,
+    e2m1_words_to_bf16,
+    e2m1_words_to_bf16_ptx,
+    e8m0_to_bf16x2,
+)
 from grouped_gemm.backends.triton_mxfp4.schedule import group_table, locate
 
 
@@ -30,17 +32,17 @@ def _concat_k(a, b):
 
 
 @triton.jit
-def _weight_chunk(w_rows, scales, k, w_ok, PTX: tl.constexpr):
-    """The (BN, 64) bf16 weight tile of contraction elements [k, k + 64); ``scales`` holds
-    each row's E8M0 bytes of the two 32-blocks in its low 16 bits."""
-    packed = tl.load(w_rows[:, None] + (k // 2 + tl.arange(0, 32))[None, :], mask=w_ok[:, None], other=0)
-    e_lo = (scales & 0xFF).to(tl.uint8)[:, None]
-    e_hi = ((scales >> 8) & 0xFF).to(tl.uint8)[:, None]
+def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr):
+    """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
+    values in contraction order: nibble j + 4h of word q is element 8j + 2q + h."""
+    scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF)[:, None]
     if PTX:
-        lo, hi = e2m1_pair_to_bf16_ptx(packed, e_lo, e_hi)
+        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale)
     else:
-        lo, hi = e2m1_pair_to_bf16(packed, e_lo, e_hi)
-    return _concat_k(lo, hi)
+        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale)
+    hj = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
+    # row, q, h, j bit 0, j bit 1 -> row, j bit 1, j bit 0, q, h
+    return hj.permute(0, 4, 3, 1, 2).reshape(words.shape[0], 32)
 
 
 @triton.jit
@@ -54,24 +56,31 @@ def _step(
     m_ok,
     n_ok,
     k_red,
-    k_padded,
-    CHUNKS: tl.constexpr,
+    BLOCKS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One contraction step of 64 * CHUNKS elements: decode the weight tile, load the
-    activations, accumulate ``W . a^T``."""
-    BK: tl.constexpr = 64 * CHUNKS
-    # One int32 per row holds the scale bytes of the 4 blocks of [k - k % 128, +128).
-    w_ok = n_ok if EVEN_K else n_ok & (k < k_padded)
-    words = tl.load(s_rows + (k // 128) * stride_sk, mask=w_ok, other=0)
-    if CHUNKS == 2:
-        w = _weight_chunk(w_rows, words, k, w_ok, PTX)
-        w_ok = n_ok if EVEN_K else n_ok & (k + 64 < k_padded)
-        w = _concat_k(w, _weight_chunk(w_rows, words >> 16, k + 64, w_ok, PTX))
+    """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
+    so inside the zero-padded layout): decode the weight tile in registers, load the
+    activations, accumulate ``W . a^T``. Every 32-block is decoded with its own row scales
+    and the blocks are concatenated along K; loads, splits and joins all stay in the wgmma
+    operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
+    BK: tl.constexpr = 32 * BLOCKS
+    first = (k % 128) // 32
+    rows: tl.constexpr = w_rows.shape[0]
+    cols = (k // 128) * 16 + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
+    words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
+    run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
+    if BLOCKS == 2:
+        w0, w1 = tl.split(words)
+        w = _concat_k(_block(w0, run_scales, 0, PTX), _block(w1, run_scales, 1, PTX))
     else:
-        w = _weight_chunk(w_rows, words >> (16 * ((k // 64) % 2)), k, w_ok, PTX)
+        w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        w01 = _concat_k(_block(w0, run_scales, 0, PTX), _block(w1, run_scales, 1, PTX))
+        w = _concat_k(w01, _concat_k(_block(w2, run_scales, 2, PTX), _block(w3, run_scales, 3, PTX)))
     kk = k + tl.arange(0, BK)
     x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
     x = tl.load(a_rows[None, :] + kk[:, None], mask=x_ok, other=0.0)
@@ -94,17 +103,16 @@ def upcast_grouped_kernel(
     num_groups,
     n_out,
     k_red,
-    k_padded,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    BLOCKS: tl.constexpr,
     MAX_G: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    BK: tl.constexpr = 64 * CHUNKS
+    BK: tl.constexpr = 32 * BLOCKS
     col_tiles = tl.cdiv(n_out, BN)
     gi, starts, rows, tiles, tile_end = group_table(Ends, num_groups, BM, col_tiles, MAX_G)
     total = tl.sum(tiles, 0)
@@ -123,15 +131,11 @@ def upcast_grouped_kernel(
         if INTERP:
             k = 0
             while k < k_red:
-                acc = _step(
-                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, k_padded, CHUNKS, EVEN_K, PTX, INTERP
-                )
+                acc = _step(acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, INTERP)
                 k += BK
         else:
             for k in range(0, k_red, BK):
-                acc = _step(
-                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, k_padded, CHUNKS, EVEN_K, PTX, INTERP
-                )
+                acc = _step(acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, INTERP)
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
         t += NUM_PROGS
