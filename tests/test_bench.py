@@ -107,7 +107,7 @@ def test_host_timing_cycles_sets_and_respects_bounds():
     assert set(seen) == {0, 1, 2} and seen[-8:] == [0, 1, 2, 0, 1, 2, 0, 1]  # 1 warm-up, 7 timed
 
 
-def test_interleaved_timing_alternates_staggers_sets_and_isolates_a_failure():
+def test_rounds_rotate_who_goes_first_stagger_sets_and_isolate_a_failure():
     order: list[tuple[str, int]] = []
     calls = {"a": 0}
 
@@ -116,18 +116,21 @@ def test_interleaved_timing_alternates_staggers_sets_and_isolates_a_failure():
         if calls["a"] > 6:
             raise RuntimeError("boom")
 
-    plan = timing.TimingPlan(warmup_ms=0.0, rep_ms=1e6, min_reps=5, max_reps=5)
-    results = timing.time_interleaved(
+    plan = timing.TimingPlan(warmup_ms=0.0, rep_ms=1e6, min_reps=6, max_reps=6, rounds=3)
+    assert plan.block(1.0, first=True) == (1, 2) and plan.block(1.0, first=False) == (1, 2)
+    results = timing.time_in_rounds(
         [lambda i: order.append(("x", i)), fails_later, lambda i: order.append(("y", i))],
         [6, 1, 6],
         torch.device("cpu"),
         plan,
     )
-    assert len(results[0]) == 5 and len(results[2]) == 5
-    assert isinstance(results[1], RuntimeError) and "boom" in str(results[1])
-    timed = order[-10:]  # warm-up 1 + 5 timed iterations, x and y in turn
-    assert [name for name, _ in timed] == ["x", "y"] * 5
-    assert [i for _, i in timed] == [1, 5, 2, 0, 3, 1, 4, 2, 5, 3]  # y staggered by 6 // 3 * 2 sets
+    x, failed, y = results
+    assert len(x.times_ms) == 6 and len(x.round_medians_ms) == 3 and x.error is None
+    assert len(y.times_ms) == 6 and y.error is None
+    assert isinstance(failed.error, RuntimeError) and "boom" in str(failed.error)
+    blocks = [name for name, _ in order[8:]]  # after each one's first call and 3 probe calls
+    assert blocks == ["x"] * 3 + ["y"] * 3 + ["y"] * 3 + ["x"] * 3 + ["x"] * 3 + ["y"] * 3
+    assert [i for name, i in order if name == "y"][:4] == [4, 4, 5, 0]  # y starts at set 2 * 6 // 3
 
 
 def test_ceilings_on_the_cpu():

@@ -24,8 +24,8 @@ from grouped_gemm.problem import OPS
 
 # A GPU sweep's defaults keep the 72-problem bf16 sweep within a few minutes on an H200;
 # the CPU defaults keep a smoke run within seconds.
-_GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=6, max_reps=300)
-_CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20)
+_GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=10, max_reps=400, rounds=5)
+_CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20, rounds=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,10 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--warmup-ms", type=float, help="warm-up per backend, in ms of its calls (GPU default 25, CPU 2)")
+    p.add_argument("--warmup-ms", type=float, help="warm-up before a backend's first block, ms (GPU 25, CPU 2)")
     p.add_argument("--rep-ms", type=float, help="timed calls per backend and problem, in ms (GPU default 150, CPU 20)")
-    p.add_argument("--min-reps", type=int, help="at least this many timed calls (GPU default 6, CPU 3)")
-    p.add_argument("--max-reps", type=int, help="at most this many timed calls (GPU default 300, CPU 20)")
+    p.add_argument("--min-reps", type=int, help="at least this many timed calls (GPU default 10, CPU 3)")
+    p.add_argument("--max-reps", type=int, help="at most this many timed calls (GPU default 400, CPU 20)")
+    p.add_argument("--rounds", type=int, help="blocks per backend, taken in turn with the others (GPU 5, CPU 1)")
     p.add_argument("--no-verify", action="store_true", help="skip the accuracy check of each output")
     p.add_argument("--no-peer", action="store_true", help="do not time torch._grouped_mm")
     p.add_argument("--prequantized-weights", action="store_true", help="MX recipes: pass weights as gg.MXTensor")
@@ -71,12 +72,15 @@ def _plan(args: argparse.Namespace, device: torch.device) -> TimingPlan:
         rep_ms=base.rep_ms if args.rep_ms is None else args.rep_ms,
         min_reps=base.min_reps if args.min_reps is None else args.min_reps,
         max_reps=base.max_reps if args.max_reps is None else args.max_reps,
+        rounds=base.rounds if args.rounds is None else args.rounds,
     )
     for name in ("warmup_ms", "rep_ms"):
         if not getattr(plan, name) >= 0:
             raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a number >= 0")
     if plan.min_reps < 1 or plan.max_reps < plan.min_reps:
         raise InvalidArgumentError("min-reps/max-reps", (plan.min_reps, plan.max_reps), "1 <= min-reps <= max-reps")
+    if plan.rounds < 1:
+        raise InvalidArgumentError("rounds", plan.rounds, "an integer >= 1")
     return plan
 
 

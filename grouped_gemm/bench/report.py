@@ -166,10 +166,10 @@ def ceilings_line(ceilings: Ceilings) -> str:
 def timing_line(opts: BenchOptions) -> str:
     p = opts.plan
     clock = "CUDA events" if opts.device.type == "cuda" else "time.perf_counter (CPU smoke run)"
+    blocks = f", in {p.rounds} blocks taken in turn with the other backends" if p.rounds > 1 else ""
     return (
-        f"{clock} around each call, median; backends and peer of a problem called in turn, each given "
-        f"~{p.warmup_ms:g} ms of warm-up and ~{p.rep_ms:g} ms of timed calls ({p.min_reps}..{p.max_reps}); "
-        "inputs rotated to exceed 3x L2; random normal data"
+        f"{clock} around each call, median of ~{p.rep_ms:g} ms of calls ({p.min_reps}..{p.max_reps}) per backend"
+        f"{blocks}; ~{p.warmup_ms:g} ms of warm-up first; inputs rotated to exceed 3x L2; random normal data"
     )
 
 

@@ -21,7 +21,7 @@ from grouped_gemm.bench.ceilings import Ceilings, matmul_kind
 from grouped_gemm.bench.operands import DTYPES, OperandSets, make_operands
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.shapes import Case
-from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_interleaved
+from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
 from grouped_gemm.check import sqnr_floor
 from grouped_gemm.problem import Op, Problem
 
@@ -68,6 +68,7 @@ class Row:
     status: str  # "ok", "wrong" (failed the accuracy check), "error", "skipped"
     note: str = ""
     times_ms: list[float] = dataclasses.field(default_factory=list)
+    round_medians_ms: list[float] = dataclasses.field(default_factory=list)
     median_ms: float | None = None
     tflops: float | None = None
     gbs: float | None = None
@@ -160,14 +161,14 @@ def _first_call(c: Contender, sample: accuracy.Sample | None, floor: float) -> N
 
 
 def _time(contenders: list[Contender], device: torch.device, plan: TimingPlan) -> None:
-    """Time the contenders that ran once without error, call by call in turn."""
+    """Time the contenders that ran once without error, in blocks taken in turn."""
     live = [c for c in contenders if c.row.status != "error"]
-    timed = time_interleaved([c.fn for c in live], [c.sets for c in live], device, plan)
-    for c, result in zip(live, timed, strict=True):
-        if isinstance(result, Exception):
-            c.row.status, c.row.note = "error", _error_note(result)
+    for c, timed in zip(live, time_in_rounds([c.fn for c in live], [c.sets for c in live], device, plan), strict=True):
+        c.row.operand_sets = c.sets
+        if timed.error is not None:
+            c.row.status, c.row.note = "error", _error_note(timed.error)
         else:
-            c.row.times_ms = result
+            c.row.times_ms, c.row.round_medians_ms = timed.times_ms, timed.round_medians_ms
 
 
 def _finish(c: Contender, ceilings: Ceilings, live_groups: int) -> None:

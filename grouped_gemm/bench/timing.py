@@ -1,13 +1,15 @@
 """Per-call timings: CUDA events on a GPU, ``time.perf_counter`` on the CPU.
 
 Equivalent to ``triton.testing.do_bench`` with rotated inputs instead of an L2 flush: a
-warm-up sized in milliseconds, then one event pair around each call, and the median of
-those. The contenders of one problem (backends and peer) are timed call by call in turn
-(A, B, C, A, B, C, ...): an H200's clock steps down within a fraction of a second of
-heavy load, and back-to-back blocks of calls put that step on whoever ran second (seen
-here as +-10 % between two backends running the same kernel). Calls run back to back, so
-when the host cannot keep the GPU busy the launch gap -- dispatch included -- is part of
-the time, as it is for a user. ``fn(i)`` runs one call on operand set ``i``.
+warm-up, then one event pair around each call, and the median of those. The contenders
+of one problem (backends and peer) are timed in blocks taken in turn over several
+rounds, each block after its own warm-up, who goes first rotating per round. Seen on an
+H200: one long block each puts the clock's step-down under load on whoever runs second
+(+-10 % between two backends running the same kernel), and alternating single calls
+puts the cost of following a launch-bound neighbour on the next one (up to 20 %).
+Calls within a block run back to back, so when the host cannot keep the GPU busy the
+launch gap -- dispatch included -- is part of the time, as it is for a user.
+``fn(i)`` runs one call on operand set ``i``.
 """
 
 from __future__ import annotations
@@ -33,22 +35,23 @@ Call = Callable[[int], object]
 
 @dataclasses.dataclass(frozen=True)
 class TimingPlan:
-    """Warm-up and measurement per contender, in milliseconds of its calls, and bounds
-    on the number of timed calls."""
+    """Per contender: ``warmup_ms`` of calls before its first block (a quarter of it before
+    the others), ``rep_ms`` of timed calls in all, split over ``rounds`` blocks, and
+    bounds on the number of timed calls in all."""
 
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     min_reps: int = 5
     max_reps: int = 200
+    rounds: int = 1
 
-
-def _counts(plan: TimingPlan, per_call_ms: float) -> tuple[int, int]:
-    """(warm-up iterations, timed iterations) when one iteration costs ``per_call_ms``
-    per contender on average."""
-    per_call = max(per_call_ms, 1e-4)
-    warmup = max(1, int(plan.warmup_ms / per_call))
-    reps = min(plan.max_reps, max(plan.min_reps, int(plan.rep_ms / per_call)))
-    return warmup, reps
+    def block(self, per_call_ms: float, first: bool) -> tuple[int, int]:
+        """(warm-up calls, timed calls) of one block for a call of ``per_call_ms``."""
+        per_call = max(per_call_ms, 1e-4)
+        rounds = max(1, self.rounds)
+        warmup = max(1, int((self.warmup_ms if first else self.warmup_ms / 4) / per_call))
+        reps = int(self.rep_ms / rounds / per_call)
+        return warmup, min(max(1, self.max_reps // rounds), max(-(-self.min_reps // rounds), reps))
 
 
 class _Clock:
@@ -72,63 +75,69 @@ class _Clock:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
 
-def time_interleaved(
-    calls: list[Call], sets: list[int], device: torch.device, plan: TimingPlan
-) -> list[list[float] | Exception]:
-    """Milliseconds of each timed call of each contender, or the exception it raised.
+@dataclasses.dataclass
+class Timed:
+    """One contender's timed calls (ms, in call order) and each round's median, or the
+    exception it raised."""
 
-    Contender ``j`` uses operand set ``(i + j * stride) % sets[j]`` in iteration ``i``,
-    staggered so that one contender does not read what the previous one left in cache.
+    times_ms: list[float] = dataclasses.field(default_factory=list)
+    round_medians_ms: list[float] = dataclasses.field(default_factory=list)
+    error: Exception | None = None
+
+
+def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, plan: TimingPlan) -> list[Timed]:
+    """Time each contender in ``plan.rounds`` blocks, the contenders taking turns.
+
+    Contender ``j`` starts its operand sets at ``j * (sets // n)`` so that one contender
+    does not read what the previous one left in cache.
     """
     clock = _Clock(device)
     n = len(calls)
-    results: list[list[float] | Exception] = [[] for _ in calls]
-
-    def run(j: int, i: int) -> None:
-        calls[j]((i + j * max(1, sets[j] // n)) % sets[j])
-
-    estimates = {}
+    out = [Timed() for _ in calls]
+    offsets = [j * max(1, sets[j] // n) for j in range(n)]
+    estimates: dict[int, float] = {}
     for j in range(n):
         try:
-            run(j, 0)
+            calls[j](offsets[j] % sets[j])
             clock.sync()
             start = clock.stamp()
             for i in range(_PROBE_CALLS):
-                run(j, i)
+                calls[j]((offsets[j] + i) % sets[j])
             end = clock.stamp()
             clock.sync()
             estimates[j] = clock.ms(start, end) / _PROBE_CALLS
         except CALL_ERRORS as exc:  # reported per contender; the others go on
-            results[j] = exc
-    alive = list(estimates)
-    if not alive:
-        return results
-    warmup, reps = _counts(plan, sum(estimates.values()) / len(alive))
-    stamps: dict[int, list[tuple[object, object]]] = {j: [] for j in alive}
-    for i in range(warmup + reps):
-        for j in list(alive):
+            out[j].error = exc
+    for r in range(max(1, plan.rounds)):
+        live = [j for j in estimates if out[j].error is None]
+        if not live:
+            break
+        for j in live[r % len(live) :] + live[: r % len(live)]:
+            warmup, reps = plan.block(estimates[j], first=r == 0)
+            stamps = []
             try:
-                start = clock.stamp()
-                run(j, i)
-                end = clock.stamp()
+                for i in range(warmup + reps):
+                    start = clock.stamp()
+                    calls[j]((offsets[j] + i) % sets[j])
+                    end = clock.stamp()
+                    if i >= warmup:
+                        stamps.append((start, end))
+                clock.sync()
             except CALL_ERRORS as exc:  # reported per contender; the others go on
-                results[j] = exc
-                alive.remove(j)
+                out[j].error = exc
                 continue
-            if i >= warmup:
-                stamps[j].append((start, end))
-    clock.sync()
-    for j in alive:
-        results[j] = [clock.ms(s, e) for s, e in stamps[j]]
-    return results
+            times = [clock.ms(s, e) for s, e in stamps]
+            out[j].times_ms += times
+            out[j].round_medians_ms.append(statistics.median(times))
+    return out
 
 
 def time_calls(fn: Call, sets: int, device: torch.device, plan: TimingPlan) -> list[float]:
     """Milliseconds of each timed call of one function (its exception propagates)."""
-    result = time_interleaved([fn], [sets], device, plan)[0]
-    if isinstance(result, Exception):
-        raise result
-    return result
+    timed = time_in_rounds([fn], [sets], device, plan)[0]
+    if timed.error is not None:
+        raise timed.error
+    return timed.times_ms
 
 
 def median(times: list[float]) -> float:
