@@ -356,3 +356,30 @@ def test_gpu_smoke_run_times_with_events_and_checks_every_result(tmp_path, capsy
     timed = [r for r in doc["rows"] if r["status"] == "ok"]
     assert len([r for r in timed if r["role"] == "peer"]) == 12
     assert all(r["sqnr_db"] >= r["sqnr_floor_db"] and r["median_ms"] > 0 for r in timed)
+
+
+class _WrongShape(_Raises):
+    spec = _Raises.spec.model_copy(update={"name": "bench_test_wrong_shape"})
+
+    def run(self, problem, inputs):
+        return inputs.a[:, :1].clone()
+
+
+def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys):
+    gg.register_backend(_WrongShape())
+    try:
+        argv = [
+            "--cases",
+            "mixtral_down",
+            "--ops",
+            "fwd",
+            "--splits",
+            "balanced",
+            "--backends",
+            "bench_test_wrong_shape",
+        ]
+        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet")
+    finally:
+        gg.unregister_backend("bench_test_wrong_shape")
+    assert code == 1
+    assert "ERROR: bench_test_wrong_shape" in out and "returned (164, 1), expected a tensor of shape (164, 64)" in out

@@ -43,7 +43,6 @@ def document(
         "elapsed_s": elapsed_s,
         "rows": [dataclasses.asdict(r) for r in result.rows],
         "ineligible": result.ineligible,
-        "notes": result.notes,
     }
 
 

@@ -114,9 +114,10 @@ class Job:
 
 @dataclasses.dataclass
 class SweepResult:
+    """Every row of a run, and which backend was not eligible for which problem and why."""
+
     rows: list[Row]
     ineligible: list[dict[str, Any]]
-    notes: list[str]
 
 
 def _input_dtype(recipe: str) -> torch.dtype:
@@ -149,15 +150,28 @@ class Contender:
     kind: str
 
 
+def _output_shape(problem: Problem) -> tuple[int, ...]:
+    return {
+        "fwd": (problem.m, problem.n),
+        "dgrad": (problem.m, problem.k),
+        "wgrad": (problem.groups, problem.n, problem.k),
+    }[problem.op]
+
+
 def _first_call(c: Contender, sample: accuracy.Sample | None, floor: float) -> None:
-    """Run once on set 0; record the SQNR of the sampled entries or the error."""
+    """Run once on set 0; record the SQNR of the sampled entries, or the error."""
     try:
         out = c.fn(0)
-        if sample is not None:
-            c.row.sqnr_db = sample.sqnr(out)
-            c.row.sqnr_floor_db = floor
     except CALL_ERRORS as exc:
         c.row.status, c.row.note = "error", _error_note(exc)
+        return
+    shape = _output_shape(c.problem)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        c.row.status, c.row.note = "error", f"returned {got}, expected a tensor of shape {shape}"
+    elif sample is not None:
+        c.row.sqnr_db = sample.sqnr(out)
+        c.row.sqnr_floor_db = floor
 
 
 def _time(contenders: list[Contender], device: torch.device, plan: TimingPlan) -> None:
@@ -195,7 +209,7 @@ class Sweep:
         self.opts = opts
         self.ceilings = ceilings
         self.progress = progress
-        self.result = SweepResult(rows=[], ineligible=[], notes=[])
+        self.result = SweepResult(rows=[], ineligible=[])
 
     def run(self) -> SweepResult:
         with gg.use_backends(strict=True):
@@ -277,8 +291,9 @@ class Sweep:
                 first = operands.first
                 sample = accuracy.sample_reference(job.op, first.a, first.b, splits, opts.seed)
         offs = peer.group_ends(splits, opts.device)
-        bf16 = dataclasses.replace(problem, recipe="bf16", a_format="bfloat16", b_format="bfloat16")
-        bf16 = dataclasses.replace(bf16, out_dtype="bfloat16")
+        bf16 = dataclasses.replace(
+            problem, recipe="bf16", a_format="bfloat16", b_format="bfloat16", out_dtype="bfloat16"
+        )
         c = Contender(
             job.row(peer.NAME, "peer", "ok"), peer.runner(job.op, operands.sets, offs), len(operands.sets), bf16, "bf16"
         )
