@@ -383,3 +383,17 @@ def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys):
         gg.unregister_backend("bench_test_wrong_shape")
     assert code == 1
     assert "ERROR: bench_test_wrong_shape" in out and "returned (164, 1), expected a tensor of shape (164, 64)" in out
+
+
+def test_prequantized_weights_reach_the_backend_and_are_checked_as_the_same_function(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd,dgrad", "--splits", "skewed", "--recipe", "a16w4,mxfp8"]
+    flags = ["--prequantized-weights", "--backends", "reference", "--quiet", "--out", str(out_json)]
+    code, out, _ = _run(capsys, *argv, *SMOKE, *flags)
+    assert code == 0, out
+    rows = [r for r in json.loads(out_json.read_text())["rows"] if r["backend"] == "reference"]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    floors = {r["recipe"]: r["sqnr_floor_db"] for r in rows}
+    # a16w4: bf16 activations x the very MX weights passed, so the output floor applies;
+    # mxfp8 still quantizes the activations inside, so only the recipe floor does.
+    assert floors["a16w4"] == pytest.approx(45.16, abs=0.01) and floors["mxfp8"] == 25.0

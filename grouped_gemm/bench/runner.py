@@ -150,6 +150,19 @@ class Contender:
     kind: str
 
 
+def _same_function(job: Job, prequantized: bool) -> bool:
+    """Whether the float64 reference computes what the backend computes: no operand is
+    left for the backend to quantize (plain recipes; MX weights passed pre-quantized with
+    activations / gradients the recipe keeps in high precision)."""
+    recipe = gg.get_recipe(job.recipe)
+    if not recipe.is_mx:
+        return True
+    if job.op == "wgrad":
+        return recipe.grad_format is None and recipe.act_format is None
+    a_format = recipe.act_format if job.op == "fwd" else recipe.grad_format
+    return prequantized and a_format is None
+
+
 def _output_shape(problem: Problem) -> tuple[int, ...]:
     return {
         "fwd": (problem.m, problem.n),
@@ -253,7 +266,8 @@ class Sweep:
             for name in (n for n in opts.backends if n in skipped):
                 self.result.rows.append(job.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
         sample = accuracy.sample_reference(job.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
-        floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=not gg.get_recipe(job.recipe).is_mx)
+        same = _same_function(job, prequantized=reference_b is not first.b)
+        floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=same)
         contenders = []
         kind = matmul_kind(job.recipe)
         for name in names:
