@@ -179,7 +179,7 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr):
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
         words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 4 + b)
-        values = _block(words, run_scales, b, PTX)
+        values = _block(words, run_scales, b, PTX, False)
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 
 
@@ -204,6 +204,24 @@ def test_edge_scale_bytes_decode_exactly(gen):
     """Bytes 0 and 1 give bf16 subnormals, which Triton 3.6's interpreter rounds wrongly in
     its own fp32 -> bf16 cast (2^-128 becomes 0); the GPU test covers them."""
     _check_edge_scales("cpu", False, [2, 3, 127, 252, 253, 254, 255], gen)
+
+
+@needs_interpreter
+def test_folded_scale_multiply_matches(gen):
+    """Cached layouts of weights whose scale bytes are all <= 128 multiply once (the 2^126
+    folded into the scale); the result is the same as with two multiplies, and a byte
+    above 128 keeps the two."""
+    splits = [7, 25]
+    x = torch.randn(sum(splits), 128, generator=gen).to(torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(2, 64, 128, generator=gen), "e2m1")
+    folded, plain = layouts.upcast_weight(w), layouts.build_upcast_weight(w)
+    assert folded.small_scales and not plain.small_scales
+    ends = torch.tensor([7, 32], dtype=torch.int32)
+    one = launch.launch_upcast(x, folded, ends, poison(torch.empty(32, 64)), 2)
+    two = launch.launch_upcast(x, plain, ends, poison(torch.empty(32, 64)), 2)
+    assert torch.equal(one, two)
+    w.scale[0, 0, 0] = 129
+    assert not layouts.upcast_weight(w).small_scales
 
 
 # ---- eligibility ---------------------------------------------------------------------------
@@ -293,13 +311,16 @@ def test_gpu_matches_reference(op, recipe, splits, path, gen):
 
 
 @pytest.mark.gpu
-def test_gpu_ptx_decode_equals_portable_decode(gen):
-    """The sm_90 PTX decode and the portable one give bit-identical GEMM results."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_gpu_ptx_decode_equals_portable_decode(fold, gen):
+    """The sm_90 PTX decode and the portable one give bit-identical GEMM results, with the
+    2^126 folded into the scale or not."""
     device = torch.device("cuda")
     splits = gg.skewed_splits(8, 2048)
     x = torch.randn(sum(splits), 1024, generator=gen).to(device, torch.bfloat16)
     w = quantize_mx_weight(torch.randn(8, 768, 1024, generator=gen).to(device), "e2m1")
-    lay = layouts.upcast_weight(w)
+    lay = layouts.upcast_weight(w) if fold else layouts.build_upcast_weight(w)
+    assert lay.small_scales == fold
     ends = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
     fast = launch.launch_upcast(x, lay, ends, poison(torch.empty(x.shape[0], 768, device=device)), 8)
     orig = launch.ptx_decode

@@ -80,7 +80,10 @@ class TritonMxfp4Backend(Backend):
             return launch.launch_scaled(act, w, ends, out, problem.groups)
         if isinstance(act, MXTensor):
             act = launch.dequantize(act)
-        return launch.launch_upcast(act, layouts.upcast_weight(w), ends, out, problem.groups)
+        # A weight passed quantized is reused across calls: cache its layout. One quantized
+        # here lives for this call only.
+        layout = layouts.upcast_weight(w) if w is inputs.b else layouts.build_upcast_weight(w)
+        return launch.launch_upcast(act, layout, ends, out, problem.groups)
 
 
 def _lhs_reasons(problem: Problem) -> list[Reason]:

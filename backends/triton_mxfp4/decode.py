@@ -86,81 +86,80 @@ def mx_to_fp32(codes, scale, FMT: tl.constexpr):
 
 
 @triton.jit
-def e8m0_to_bf16x2(e):
-    """E8M0 bytes -> int32 holding 2^(e - 127) as bf16 in both 16-bit halves (the scale
-    operand of ``mul.bf16x2``); byte 0 is 2^-127 (a bf16 subnormal), 0xFF is NaN.
+def e8m0_to_bf16x2(e, FOLD: tl.constexpr):
+    """E8M0 bytes -> int32 holding the bf16 multiplier of the decode in both 16-bit halves
+    (the scale operand of ``mul.bf16x2``).
 
-    ``e * 0x00800080`` puts e in both bf16 exponent fields; the two special bytes (the
-    ones with ``e - 1`` outside [0, 253] as unsigned) also get the mantissa bit 0x40."""
+    Without ``FOLD``: 2^(e - 127); byte 0 is 2^-127 (a bf16 subnormal), 0xFF is NaN.
+    ``e * 0x00800080`` puts e in both exponent fields; the two special bytes (those with
+    ``e - 1`` outside [0, 253] as unsigned) also get the mantissa bit 0x40.
+    With ``FOLD`` (every byte of the weight is at most 128): 2^(e - 1) = 2^126 * 2^(e - 127),
+    the decode's 2^126 folded in; exponent field e + 126 is in [126, 254], always normal."""
     t = e.to(tl.uint32)
+    if FOLD:
+        return ((t + 126) * 0x00800080).to(tl.int32, bitcast=True)
     both = t * 0x00800080
     special = (t - 1) > 253
     return tl.where(special, both | 0x00400040, both).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _nibble_to_bf16(words, i: tl.constexpr, scale):
-    return (e2m1_to_fp32((words >> (4 * i)) & 15) * scale).to(tl.bfloat16)
+def _nibble_to_bf16(words, i: tl.constexpr, factor):
+    return (e2m1_to_fp32((words >> (4 * i)) & 15) * factor).to(tl.bfloat16)
 
 
 @triton.jit
-def e2m1_words_to_bf16(words, scale_bits):
+def e2m1_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
     """int32 words of eight E2M1 codes -> eight bf16 tensors (nibble 0 first), each value
-    times its word's scale. ``scale_bits`` is ``e8m0_to_bf16x2`` of the scale bytes.
+    times its word's scale. ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD)``.
     Portable version."""
-    s = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    if FOLD:
+        factor = factor * 1.1754943508222875e-38  # 2^-126: e2m1_to_fp32 already includes 2^126
     return (
-        _nibble_to_bf16(words, 0, s),
-        _nibble_to_bf16(words, 1, s),
-        _nibble_to_bf16(words, 2, s),
-        _nibble_to_bf16(words, 3, s),
-        _nibble_to_bf16(words, 4, s),
-        _nibble_to_bf16(words, 5, s),
-        _nibble_to_bf16(words, 6, s),
-        _nibble_to_bf16(words, 7, s),
+        _nibble_to_bf16(words, 0, factor),
+        _nibble_to_bf16(words, 1, factor),
+        _nibble_to_bf16(words, 2, factor),
+        _nibble_to_bf16(words, 3, factor),
+        _nibble_to_bf16(words, 4, factor),
+        _nibble_to_bf16(words, 5, factor),
+        _nibble_to_bf16(words, 6, factor),
+        _nibble_to_bf16(words, 7, factor),
     )
 
 
+def _words_ptx(fold: bool) -> str:
+    """PTX of the word decode: per nibble pair (i, i + 4), isolate both codes in the two
+    16-bit lanes, build the bf16 pattern (value * 2^-126), then multiply by 2^126 (unless
+    folded into the scale) and by the scale."""
+    lines = ["{", ".reg .b32 t, a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
+    for i in range(4):
+        source = "$8" if i == 0 else "t"
+        if i:
+            lines.append(f"shr.b32 t, $8, {4 * i};")
+        lines += [
+            f"and.b32 t, {source}, 0x000f000f;",
+            "shl.b32 a, t, 6;",
+            "shl.b32 b, t, 12;",
+            "lop3.b32 v, a, b, 0x81c081c0, 0xa8;",
+        ]
+        if not fold:
+            lines.append("mul.rn.bf16x2 v, v, big;")
+        lines.append(f"mul.rn.bf16x2 p{i}, v, $9;")
+    lines += [f"mov.b32 {{${i}, ${i + 4}}}, p{i};" for i in range(4)]
+    return "\n".join([*lines, "}"])
+
+
+WORDS_PTX = tl.constexpr(_words_ptx(fold=False))
+WORDS_PTX_FOLDED = tl.constexpr(_words_ptx(fold=True))
+
+
 @triton.jit
-def e2m1_words_to_bf16_ptx(words, scale_bits):
+def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
     """sm_90 version of ``e2m1_words_to_bf16`` (see the module docstring); same results."""
-    # $0..$7: nibbles 0..7; $8: the word; $9: the scale as bf16 in both halves.
+    # $0..$7: nibbles 0..7; $8: the word; $9: the multiplier as bf16 in both halves.
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, a, b, v, big, p0, p1, p2, p3;
-        mov.b32 big, 0x7e807e80;
-        and.b32 t, $8, 0x000f000f;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        lop3.b32 v, a, b, 0x81c081c0, 0xa8;
-        mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 p0, v, $9;
-        shr.b32 t, $8, 4;
-        and.b32 t, t, 0x000f000f;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        lop3.b32 v, a, b, 0x81c081c0, 0xa8;
-        mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 p1, v, $9;
-        shr.b32 t, $8, 8;
-        and.b32 t, t, 0x000f000f;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        lop3.b32 v, a, b, 0x81c081c0, 0xa8;
-        mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 p2, v, $9;
-        shr.b32 t, $8, 12;
-        and.b32 t, t, 0x000f000f;
-        shl.b32 a, t, 6;
-        shl.b32 b, t, 12;
-        lop3.b32 v, a, b, 0x81c081c0, 0xa8;
-        mul.rn.bf16x2 v, v, big;
-        mul.rn.bf16x2 p3, v, $9;
-        mov.b32 {$0, $4}, p0;
-        mov.b32 {$1, $5}, p1;
-        mov.b32 {$2, $6}, p2;
-        mov.b32 {$3, $7}, p3;
-        }""",
+        asm=WORDS_PTX_FOLDED if FOLD else WORDS_PTX,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         args=[words, scale_bits],
         dtype=(tl.bfloat16,) * 8,

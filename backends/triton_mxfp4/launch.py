@@ -111,6 +111,7 @@ def launch_upcast(
         NUM_PROGS=programs,
         EVEN_K=w.k_red % (32 * cfg.blocks) == 0,
         PTX=ptx_decode(a.device),
+        FOLD=w.small_scales,
         INTERP=interpreted(),
         num_warps=cfg.warps,
         num_stages=cfg.stages,

@@ -19,6 +19,11 @@ a multiple of 128 with zero codes:
   row, little-endian, transposed so a row tile's scales are one contiguous 4-byte-per-row
   load (the software pipeliner only streams loads of at least 4 bytes per thread).
 
+``small_scales`` records whether every scale byte is at most 128 (|w| < 12 everywhere);
+then the kernel folds the decode's 2^126 into the scale and multiplies once instead of
+twice (``decode.e8m0_to_bf16x2``). Finding out reads the scales back to the host once, so
+it is only done for cached layouts outside CUDA-graph capture.
+
 Building it costs a few passes over the weight; ``upcast_weight`` caches the result per
 ``MXTensor`` object (weakly keyed, invalidated when its tensors are modified in place), so
 inference with fixed quantized weights pays it once.
@@ -47,6 +52,7 @@ class UpcastWeight:
     rows: int
     k_red: int
     k_padded: int
+    small_scales: bool = False
 
 
 def _codes_rows_by_contraction(mx: MXTensor, g: int) -> torch.Tensor:
@@ -64,8 +70,9 @@ def _scales_rows_by_blocks(mx: MXTensor, g: int) -> torch.Tensor:
     return s if mx.axis == 2 else s.T
 
 
-def build_upcast_weight(mx: MXTensor) -> UpcastWeight:
-    """The upcast layout of a (G, N, K) E2M1 weight quantized along K (fwd) or N (dgrad)."""
+def build_upcast_weight(mx: MXTensor, check_scales: bool = False) -> UpcastWeight:
+    """The upcast layout of a (G, N, K) E2M1 weight quantized along K (fwd) or N (dgrad);
+    ``check_scales`` finds out ``small_scales`` (one device-to-host read)."""
     groups = mx.shape[0]
     rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
     k_red = mx.shape[mx.axis]
@@ -81,7 +88,12 @@ def build_upcast_weight(mx: MXTensor) -> UpcastWeight:
         data[g] = (words - ((words >> 31) << 32)).to(torch.int32)
         blocks = torch.nn.functional.pad(_scales_rows_by_blocks(mx, g), (0, (k_padded - k_red) // 32))
         scales[g] = blocks.contiguous().view(torch.int32).T
-    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)
+    small = check_scales and not _capturing(mx.device) and bool((mx.scale <= 128).all())
+    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, small_scales=small)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[int, int], UpcastWeight]] = weakref.WeakKeyDictionary()
@@ -89,13 +101,14 @@ _lock = threading.Lock()
 
 
 def upcast_weight(mx: MXTensor) -> UpcastWeight:
-    """``build_upcast_weight(mx)``, computed once per MXTensor object and tensor version."""
+    """``build_upcast_weight(mx, check_scales=True)``, computed once per MXTensor object and
+    tensor version."""
     version = (mx.data._version, mx.scale._version)
     with _lock:
         hit = _cache.get(mx)
     if hit is not None and hit[0] == version:
         return hit[1]
-    layout = build_upcast_weight(mx)
+    layout = build_upcast_weight(mx, check_scales=True)
     with _lock:
         _cache[mx] = (version, layout)
     return layout

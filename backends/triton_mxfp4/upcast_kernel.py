@@ -32,14 +32,14 @@ def _concat_k(a, b):
 
 
 @triton.jit
-def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr):
+def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
     """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
     values in contraction order: nibble j + 4h of word q is element 8j + 2q + h."""
-    scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF)[:, None]
+    scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD)[:, None]
     if PTX:
-        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale)
+        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale, FOLD)
     else:
-        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale)
+        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale, FOLD)
     hj = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
     # row, q, h, j bit 0, j bit 1 -> row, j bit 1, j bit 0, q, h
     return hj.permute(0, 4, 3, 1, 2).reshape(words.shape[0], 32)
@@ -59,6 +59,7 @@ def _step(
     BLOCKS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
+    FOLD: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
@@ -74,13 +75,13 @@ def _step(
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)
-        w = _concat_k(_block(w0, run_scales, 0, PTX), _block(w1, run_scales, 1, PTX))
+        w = _concat_k(_block(w0, run_scales, 0, PTX, FOLD), _block(w1, run_scales, 1, PTX, FOLD))
     else:
         w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
         w0, w2 = tl.split(w02)
         w1, w3 = tl.split(w13)
-        w01 = _concat_k(_block(w0, run_scales, 0, PTX), _block(w1, run_scales, 1, PTX))
-        w = _concat_k(w01, _concat_k(_block(w2, run_scales, 2, PTX), _block(w3, run_scales, 3, PTX)))
+        w01 = _concat_k(_block(w0, run_scales, 0, PTX, FOLD), _block(w1, run_scales, 1, PTX, FOLD))
+        w = _concat_k(w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD), _block(w3, run_scales, 3, PTX, FOLD)))
     kk = k + tl.arange(0, BK)
     x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
     x = tl.load(a_rows[None, :] + kk[:, None], mask=x_ok, other=0.0)
@@ -110,6 +111,7 @@ def upcast_grouped_kernel(
     NUM_PROGS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
+    FOLD: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     BK: tl.constexpr = 32 * BLOCKS
@@ -131,11 +133,15 @@ def upcast_grouped_kernel(
         if INTERP:
             k = 0
             while k < k_red:
-                acc = _step(acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, INTERP)
+                acc = _step(
+                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, FOLD, INTERP
+                )
                 k += BK
         else:
             for k in range(0, k_red, BK):
-                acc = _step(acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, INTERP)
+                acc = _step(
+                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, FOLD, INTERP
+                )
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
         t += NUM_PROGS
