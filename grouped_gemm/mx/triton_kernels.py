@@ -1,7 +1,8 @@
 """Triton kernels of the fused MX quantizer (launched by ``triton_quantizer``).
 
 Every rule is written on integer fp32 bits, exactly as in ``torch_quantizer`` (see there
-for the rules), and elements round to nearest even by integer shifts:
+for the rules); elements round to nearest even by one fp32 addition (or the hardware
+fp8 conversion, see ``_encode``):
 
 - ``quantize_last``: blocks along a contiguous last axis; a tile is ``(rows, blocks, B)``.
 - ``quantize_strided``: blocks along an axis followed by contiguous elements
@@ -36,8 +37,10 @@ def _widen(raw, BF16_BITS: tl.constexpr):
     """Loaded input -> fp32. bf16 arrives as its int16 bits and widens by a shift (exact
     for subnormals too, which Triton's interpreter flushes when it converts bf16)."""
     if BF16_BITS:
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return raw.to(tl.float32)
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -56,15 +59,18 @@ def _encode(
     ``NATIVE`` (fp8 on NVIDIA sm_89+): the hardware conversion (``cvt.rn.satfinite``,
     nearest even) of the value clamped to ±max, one instruction per two elements.
     """
+    # One return at the end, no early returns inside constexpr branches (also in the helpers).
     if NATIVE:
         fp8: tl.constexpr = tl.float8e4nv if MBITS == 3 else tl.float8e5
-        return tl.clamp(v, -MAX_VALUE, MAX_VALUE).to(fp8).to(tl.uint8, bitcast=True).to(tl.int32)
-    a = tl.minimum(tl.abs(v), MAX_VALUE)
-    e_field = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 128 - BIAS)  # fp32 field of 2^max(e, emin)
-    magic = (e_field + (23 - MBITS)) << 23
-    index = (a + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
-    code = index + ((e_field - (128 - BIAS)) << MBITS)
-    return code | ((v.to(tl.int32, bitcast=True) >> (32 - NBITS)) & (1 << (NBITS - 1)))
+        code = tl.clamp(v, -MAX_VALUE, MAX_VALUE).to(fp8).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        a = tl.minimum(tl.abs(v), MAX_VALUE)
+        e_field = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 128 - BIAS)  # fp32 field of 2^max(e, emin)
+        magic = (e_field + (23 - MBITS)) << 23
+        index = (a + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
+        code = index + ((e_field - (128 - BIAS)) << MBITS)
+        code = code | ((v.to(tl.int32, bitcast=True) >> (32 - NBITS)) & (1 << (NBITS - 1)))
+    return code
 
 
 @triton.jit
@@ -79,7 +85,6 @@ def quantize_last(
     BLOCK: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
-    WORDS: tl.constexpr,
     RULE: tl.constexpr,
     EMAX: tl.constexpr,
     MAX_MANT: tl.constexpr,
@@ -97,22 +102,15 @@ def quantize_last(
     b1 = col_tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
     r = r1[:, None, None]
     b = b1[None, :, None]
-    nblocks = padded // BLOCK
-    if NBITS == 4:
-        # E2M1: elements 2j and 2j + 1 as two tiles, so each pair packs into byte j in place.
-        p = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, None, :]
-        x0, x1 = _load_pairs(x_ptr, r, p, rows, length, WORDS, BF16_BITS)
-        amax = tl.maximum(
-            tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2),
-            tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2),
-        )
-    else:
-        c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
-        x0 = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-        amax = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
+    x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
     exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
     nonfinite = amax >= 0x7F800000
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(nonfinite[:, :, None], 0, code)
+    nblocks = padded // BLOCK
     r2 = r1[:, None]
     b2 = b1[None, :]
     tl.store(
@@ -120,33 +118,12 @@ def quantize_last(
         tl.where(nonfinite, 255, exp + 127).to(tl.uint8),
         mask=(r2 < rows) & (b2 < nblocks),
     )
-    code = _encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     if NBITS == 4:
-        code = code | (_encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE) << 4)
-        out = data_ptr + r * (padded // 2) + p
-        ok = (r < rows) & (p < padded // 2)
+        lo, hi = tl.split(tl.reshape(code, (TILE_ROWS, TILE_BLOCKS, BLOCK // 2, 2)))
+        p = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, None, :]
+        tl.store(data_ptr + r * (padded // 2) + p, (lo | (hi << 4)).to(tl.uint8), mask=(r < rows) & (p < padded // 2))
     else:
-        out = data_ptr + r * padded + c
-        ok = (r < rows) & (c < padded)
-    tl.store(out, tl.where(nonfinite[:, :, None], 0, code).to(tl.uint8), mask=ok)
-
-
-@triton.jit
-def _load_pairs(x_ptr, r, p, rows, length, WORDS: tl.constexpr, BF16_BITS: tl.constexpr):
-    """Elements ``2p`` and ``2p + 1`` of rows ``r`` as fp32 (zeros past ``length``).
-
-    ``WORDS``: 16-bit inputs read as one 32-bit word per pair (vector loads, element 2p
-    in the low half); otherwise two strided element loads."""
-    if WORDS:
-        w = tl.load(x_ptr + r * (length // 2) + p, mask=(r < rows) & (p < length // 2), other=0)
-        if BF16_BITS:
-            return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    c = 2 * p
-    x0 = tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0)
-    x1 = tl.load(x_ptr + r * length + c + 1, mask=(r < rows) & (c + 1 < length), other=0)
-    return _widen(x0, BF16_BITS), _widen(x1, BF16_BITS)
+        tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
 
 
 @triton.jit

@@ -63,18 +63,17 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, tile) -> None:
-    # Default tile: 16 blocks x 8 rows, 4 warps (the fastest of benchmarks/quantize_mx.py's
-    # sweep on an H200 for 8192 x 7168 bf16).
+    # Default tiles: 16 blocks x 8 rows (fp8) or x 16 rows (E2M1), 4 warps: the fastest of
+    # benchmarks/quantize_mx.py's sweep on an H200 for 8192 x 7168 bf16.
     nblocks = padded // block_size
     tile_blocks = tile[0] if tile else _pow2_at_most(nblocks, max(1, 512 // block_size))
-    tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, 4096 // (tile_blocks * block_size)))
+    per_tile = 4096 if fmt.bits == 8 else 8192
+    tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, per_tile // (tile_blocks * block_size)))
     warps = tile[2] if tile else 4
     col_tiles = triton.cdiv(nblocks, tile_blocks)
     grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
-    # E2M1 from a 16-bit input reads each element pair as one 32-bit word.
-    words = fmt.bits == 4 and x.element_size() == 2 and length % 2 == 0 and x.data_ptr() % 4 == 0
     triton_kernels.quantize_last[grid](
-        x.view(torch.int32) if words else x,
+        x,
         data,
         scale,
         rows,
@@ -84,7 +83,6 @@ def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, ti
         BLOCK=block_size,
         TILE_ROWS=tile_rows,
         TILE_BLOCKS=tile_blocks,
-        WORDS=words,
         num_warps=warps,
         **_format_args(x, fmt, rule),
     )
