@@ -47,12 +47,13 @@ DECODE = ("dsv3_gateup_decode", "qwen3_30b_gateup_decode", "gptoss120b_gateup_de
 GOALS = {"a16w4": {"decode": 3.0, "compute": 0.9}, "a8w4": {"compute": 0.7}, "mxfp4": {"compute": 0.7}}
 SWEEP_CASES = ("qwen3_30b_gateup_decode", "gptoss120b_gateup_decode", "dsv3_gateup_ep8", "qwen3_30b_gateup")
 SWEEP = [
-    launch.UpcastConfig(16, 128, 2, 4, 4, 2),
-    launch.UpcastConfig(16, 128, 2, 4, 4, 1),
-    launch.UpcastConfig(16, 64, 2, 4, 6, 3),
-    launch.UpcastConfig(128, 128, 2, 8, 3, 1),
-    launch.UpcastConfig(256, 128, 1, 8, 3, 1),
-    launch.UpcastConfig(256, 128, 1, 8, 4, 1),
+    launch.UpcastConfig(16, 128, 4, 4, 4, 1),
+    launch.UpcastConfig(16, 128, 4, 4, 4, 2),
+    launch.UpcastConfig(16, 128, 4, 4, 4, 3),
+    launch.UpcastConfig(16, 64, 4, 4, 6, 4),
+    launch.UpcastConfig(128, 128, 4, 8, 3, 1),
+    launch.UpcastConfig(256, 128, 2, 8, 3, 1),
+    launch.UpcastConfig(256, 128, 2, 8, 4, 1),
 ]
 
 
@@ -152,17 +153,16 @@ def run_case(case: dict, split_name: str, recipes: list[str], device: torch.devi
 def sweep_case(case: dict, device: torch.device) -> list[dict]:
     """Upcast-kernel configurations on one case (balanced splits), kernel alone."""
     g, m, n, k = case["G"], case["M"], case["N"], case["K"]
-    splits = balanced(g, m)
-    ends = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+    splits = torch.tensor(balanced(g, m), device=device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    lay = layouts.build_upcast_weight(quantize_mx_weight(torch.randn(g, n, k, device=device), "e2m1"))
+    lay = layouts.upcast_weight(quantize_mx_weight(torch.randn(g, n, k, device=device), "e2m1"))
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
     results = []
     for cfg in SWEEP:
         decode = case["name"] in DECODE
         if (cfg.bm >= 128 and decode) or (cfg.bm <= 32 and not decode):
             continue
-        ms = bench_ms(lambda cfg=cfg: launch.launch_upcast(x, lay, ends, out, g, cfg))
+        ms = bench_ms(lambda cfg=cfg: launch.launch_upcast(x, lay, splits, out, g, cfg))
         results.append({"case": case["name"], "config": str(cfg), "ms": ms, "tflops": 2 * m * n * k / ms / 1e9})
     torch.cuda.empty_cache()
     return results

@@ -21,7 +21,7 @@ from grouped_gemm.backends.triton_mxfp4.upcast_kernel import _block
 import grouped_gemm as gg
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
-from grouped_gemm.testing import poison, random_splits, sqnr_db
+from grouped_gemm.testing import poison, random_splits, ref_fwd, sqnr_db
 
 NAME = "triton_mxfp4"
 MIN_SQNR = 60.0
@@ -216,12 +216,29 @@ def test_folded_scale_multiply_matches(gen):
     w = quantize_mx_weight(torch.randn(2, 64, 128, generator=gen), "e2m1")
     folded, plain = layouts.upcast_weight(w), layouts.build_upcast_weight(w)
     assert folded.small_scales and not plain.small_scales
-    ends = torch.tensor([7, 32], dtype=torch.int32)
-    one = launch.launch_upcast(x, folded, ends, poison(torch.empty(32, 64)), 2)
-    two = launch.launch_upcast(x, plain, ends, poison(torch.empty(32, 64)), 2)
+    sizes = torch.tensor(splits, dtype=torch.int32)
+    one = launch.launch_upcast(x, folded, sizes, poison(torch.empty(32, 64)), 2)
+    two = launch.launch_upcast(x, plain, sizes, poison(torch.empty(32, 64)), 2)
     assert torch.equal(one, two)
     w.scale[0, 0, 0] = 129
     assert not layouts.upcast_weight(w).small_scales
+
+
+@needs_interpreter
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_upcast_contraction_steps(blocks, gen):
+    """Both step sizes of the upcast kernel against float64, K = 192: 64-element steps also
+    start in the middle of a 128-run, 128-element steps read the layout's zero padding."""
+    splits = [3, 0, 29]
+    n, k = 96, 192
+    x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1")
+    config = launch.UpcastConfig(bm=16, bn=64, blocks=blocks, warps=4, stages=1, per_sm=1)
+    got = launch.launch_upcast(
+        x, layouts.build_upcast_weight(w), torch.tensor(splits), poison(torch.empty(32, n)), 3, config
+    )
+    want = ref_fwd(x, w.dequantize(), splits)
+    assert sqnr_db(got, want) >= MIN_SQNR
 
 
 # ---- eligibility ---------------------------------------------------------------------------
@@ -321,12 +338,12 @@ def test_gpu_ptx_decode_equals_portable_decode(fold, gen):
     w = quantize_mx_weight(torch.randn(8, 768, 1024, generator=gen).to(device), "e2m1")
     lay = layouts.upcast_weight(w) if fold else layouts.build_upcast_weight(w)
     assert lay.small_scales == fold
-    ends = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
-    fast = launch.launch_upcast(x, lay, ends, poison(torch.empty(x.shape[0], 768, device=device)), 8)
+    sizes = torch.tensor(splits, device=device)
+    fast = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8)
     orig = launch.ptx_decode
     try:
         launch.ptx_decode = lambda _device: False
-        slow = launch.launch_upcast(x, lay, ends, poison(torch.empty(x.shape[0], 768, device=device)), 8)
+        slow = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8)
     finally:
         launch.ptx_decode = orig
     assert torch.equal(fast, slow)

@@ -75,15 +75,15 @@ class TritonMxfp4Backend(Backend):
             out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
         if problem.m == 0:
             return out
-        ends = inputs.offsets(device)
+        splits = launch.device_splits(inputs.m_splits, device)
         if problem.device.has("scaled_mma"):
-            return launch.launch_scaled(act, w, ends, out, problem.groups)
+            return launch.launch_scaled(act, w, splits, out, problem.groups)
         if isinstance(act, MXTensor):
             act = launch.dequantize(act)
         # A weight passed quantized is reused across calls: cache its layout. One quantized
         # here lives for this call only.
         layout = layouts.upcast_weight(w) if w is inputs.b else layouts.build_upcast_weight(w)
-        return launch.launch_upcast(act, layout, ends, out, problem.groups)
+        return launch.launch_upcast(act, layout, splits, out, problem.groups)
 
 
 def _lhs_reasons(problem: Problem) -> list[Reason]:

@@ -30,6 +30,14 @@ def interpreted() -> bool:
     return isinstance(upcast_grouped_kernel, InterpretedFunction)
 
 
+def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The (G,) group sizes as a contiguous integer tensor on ``device``: device splits as
+    they are (the kernels take their prefix sums themselves), host splits in one copy."""
+    if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
+        return m_splits.contiguous()
+    return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
+
+
 def _units(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -62,7 +70,7 @@ class UpcastConfig:
 def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring)."""
     if interpreted():
-        return UpcastConfig(bm=16, bn=32, blocks=2, warps=4, stages=1, per_sm=1)
+        return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
     mean_rows = m / max(groups, 1)
     if mean_rows <= 16:
         return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
@@ -78,7 +86,7 @@ def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> Upca
 def launch_upcast(
     a: torch.Tensor,
     w: UpcastWeight,
-    ends: torch.Tensor,
+    splits: torch.Tensor,
     out: torch.Tensor,
     groups: int,
     config: UpcastConfig | None = None,
@@ -100,7 +108,7 @@ def launch_upcast(
         w.scales.stride(1),
         out,
         out.stride(0),
-        ends,
+        splits,
         groups,
         w.rows,
         w.k_red,
@@ -131,7 +139,7 @@ class ScaledConfig:
 
 def scaled_config(m: int, groups: int) -> ScaledConfig:
     if interpreted():
-        return ScaledConfig(bm=16, bn=32, warps=4, stages=1)
+        return ScaledConfig(bm=32, bn=64, warps=4, stages=1)
     mean_rows = m / max(groups, 1)
     if mean_rows <= 32:
         return ScaledConfig(bm=32, bn=128, warps=4, stages=3)
@@ -147,7 +155,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 def launch_scaled(
     a: torch.Tensor | MXTensor,
     w: MXTensor,
-    ends: torch.Tensor,
+    splits: torch.Tensor,
     out: torch.Tensor,
     groups: int,
     config: ScaledConfig | None = None,
@@ -182,7 +190,7 @@ def launch_scaled(
         *s_strides,
         out,
         out.stride(0),
-        ends,
+        splits,
         groups,
         n_out,
         k_red,
@@ -235,7 +243,7 @@ class WgradConfig:
 
 def wgrad_config() -> WgradConfig:
     if interpreted():
-        return WgradConfig(bn=32, bk=32, bt=64, warps=4, stages=1)
+        return WgradConfig(bn=64, bk=64, bt=64, warps=4, stages=1)
     return WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
 
 

@@ -114,7 +114,7 @@ def scaled_grouped_kernel(
     stride_sn,
     Out,
     stride_om,
-    Ends,
+    Splits,
     num_groups,
     n_out,
     k_red,
@@ -128,7 +128,7 @@ def scaled_grouped_kernel(
     INTERP: tl.constexpr,
 ):
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Ends, num_groups, BM, col_tiles, MAX_G)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:

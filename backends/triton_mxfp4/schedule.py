@@ -1,8 +1,9 @@
 """Device-side tile schedule of the persistent grouped kernels.
 
-Each program derives the whole schedule from the cumulative group ends on the device (no
-host sync, so calls with device ``m_splits`` can be captured in a CUDA graph): per group
-its first row, row count and tile count, and the running tile total. Tiles are numbered
+Each program derives the whole schedule from the group sizes on the device (no host sync,
+so calls with device ``m_splits`` can be captured in a CUDA graph, and no separate prefix
+-sum launch): per group its first row, row count and tile count, and the running tile
+total. Tiles are numbered
 group by group; inside a group, output-column tiles are the outer index and row tiles the
 inner one, so programs running at the same time (consecutive tile numbers) share one
 weight slab through L2. Empty groups own no tiles and are never visited; their rows do
@@ -16,14 +17,13 @@ import triton.language as tl
 
 
 @triton.jit
-def group_table(ends_ptr, num_groups, rows_per_tile: tl.constexpr, col_tiles, MAX_G: tl.constexpr):
+def group_table(splits_ptr, num_groups, rows_per_tile: tl.constexpr, col_tiles, MAX_G: tl.constexpr):
     """(group ids, first rows, row counts, tiles per group, inclusive tile ends) as
-    ``MAX_G``-long vectors (entries past ``num_groups`` are empty groups)."""
+    ``MAX_G``-long vectors from the (G,) group sizes (entries past ``num_groups`` are
+    empty groups)."""
     gi = tl.arange(0, MAX_G)
-    live = gi < num_groups
-    ends = tl.load(ends_ptr + gi, mask=live, other=0)
-    starts = tl.load(ends_ptr + gi - 1, mask=live & (gi > 0), other=0)
-    rows = tl.where(live, ends - starts, 0)
+    rows = tl.load(splits_ptr + gi, mask=gi < num_groups, other=0).to(tl.int32)
+    starts = tl.cumsum(rows, 0) - rows
     tiles = tl.cdiv(rows, rows_per_tile) * col_tiles
     return gi, starts, rows, tiles, tl.cumsum(tiles, 0)
 

@@ -100,7 +100,7 @@ def upcast_grouped_kernel(
     stride_sk,
     Out,
     stride_om,
-    Ends,
+    Splits,
     num_groups,
     n_out,
     k_red,
@@ -116,7 +116,7 @@ def upcast_grouped_kernel(
 ):
     BK: tl.constexpr = 32 * BLOCKS
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Ends, num_groups, BM, col_tiles, MAX_G)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
