@@ -1,8 +1,9 @@
 """The fused Triton MX quantizer: amax, scale, cast and pack in one pass over the input.
 
 Bit-identical to ``torch_quantizer``: the kernels (``triton_kernels``) apply the same
-rules on integer fp32 bits and round to nearest even with integer shifts rather than
-Triton's fp8 casts, whose rounding and saturation differ between backends. CUDA / ROCm
+rules on integer fp32 bits and round to nearest even by one fp32 addition; on NVIDIA
+sm_89+ fp8 elements use the hardware conversion of the clamped value instead (the gpu
+tests compare both against torch on every fp32 exponent, sign, NaN and Inf). CUDA / ROCm
 tensors run the compiled kernels; CPU tensors run them in Triton's interpreter (slow; it
 is how CI checks the kernels bit for bit) when ``TRITON_INTERPRET=1`` was set before
 triton was imported (Triton decides at import which of its own functions are interpreted).
@@ -62,7 +63,18 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
-def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, tile) -> None:
+def _launch_last(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+    length: int,
+    padded: int,
+    fmt: MXFormat,
+    rule: str,
+    block_size: int,
+    tile: tuple[int, int, int] | None,
+) -> None:
     # Default tiles: 16 blocks x 8 rows (fp8) or x 16 rows (E2M1), 4 warps: the fastest of
     # benchmarks/quantize_mx.py's sweep on an H200 for 8192 x 7168 bf16.
     nblocks = padded // block_size
@@ -88,7 +100,20 @@ def _launch_last(x, data, scale, rows, length, padded, fmt, rule, block_size, ti
     )
 
 
-def _launch_strided(x, row_map, data, scale, outer, length, padded, inner, fmt, rule, block_size, tile) -> None:
+def _launch_strided(
+    x: torch.Tensor,
+    row_map: torch.Tensor | None,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    outer: int,
+    length: int,
+    padded: int,
+    inner: int,
+    fmt: MXFormat,
+    rule: str,
+    block_size: int,
+    tile: tuple[int, int, int] | None,
+) -> None:
     # Default tiles: 128 columns x 1 block (fp8), 256 x 4 (E2M1), the sweep's fastest (H200).
     nblocks = padded // block_size
     tile_inner = tile[0] if tile else _pow2_at_most(inner, 128 if fmt.bits == 8 else 256)
@@ -122,7 +147,9 @@ def _kernel_input(t: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
-def _outputs(shape: list[int], axis: int, fmt: MXFormat, block_size: int, device: torch.device):
+def _outputs(
+    shape: list[int], axis: int, fmt: MXFormat, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     data_shape = list(shape)
     data_shape[axis] //= fmt.per_byte
     scale_shape = list(shape)
