@@ -203,7 +203,9 @@ def test_power_of_two_scaling_moves_only_the_scale(fmt, mantissas, j, k):
 
 
 @settings(max_examples=50, deadline=None)
-@given(codes=st.lists(st.integers(0, 15), min_size=64, max_size=64), byte=st.integers(1, 254))
+@given(
+    codes=st.lists(st.integers(0, 15), min_size=64, max_size=64), byte=st.integers(1, 250)
+)  # 6 * 2^(254 - 127) would overflow fp32
 def test_e2m1_packing_low_nibble_first(codes, byte):
     c = torch.tensor(codes, dtype=torch.uint8)
     packed = c[0::2] | (c[1::2] << 4)
