@@ -19,7 +19,8 @@ which elements they are) and returns eight bf16 tensors, one per nibble position
   subnormal 2^-127, exactly), so two ``mul.bf16x2``, by 2^126 and by the block scale,
   give the value, exact for every scale byte: both factors are powers of two that bf16
   represents (2^-127 is a bf16 subnormal) and the products only round where the true
-  result overflows, as fp32 would.
+  result overflows, as fp32 would. With ``FOLD`` (every scale byte of the weight at most
+  128) the 2^126 is part of the scale operand and one multiply does (``e8m0_to_bf16x2``).
 
 A single exponent add (``bits + ((b - 127) << 7)``) would also be exact, but only for
 nonzero normal codes and scale bytes in [2, 252]: zero and the E2M1 subnormal 0.5 need
@@ -44,15 +45,6 @@ def e8m0_to_fp32(e):
     bits = tl.where(e == 0, 0x00400000, e << 23)
     bits = tl.where(e == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e8m0_to_bf16(e):
-    """E8M0 bytes -> bf16 2^(e - 127); byte 0 is 2^-127 (a bf16 subnormal), 0xFF is NaN."""
-    e = e.to(tl.uint16)
-    bits = tl.where(e == 0, 0x0040, e << 7)
-    bits = tl.where(e == 255, 0x7FC0, bits)
-    return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -112,9 +112,3 @@ def upcast_weight(mx: MXTensor) -> UpcastWeight:
     with _lock:
         _cache[mx] = (version, layout)
     return layout
-
-
-def cached_layouts() -> int:
-    """How many MXTensors currently have a cached layout (for tests and diagnostics)."""
-    with _lock:
-        return len(_cache)

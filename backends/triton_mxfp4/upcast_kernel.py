@@ -5,7 +5,8 @@
 fragment). The kernel computes the transposed product ``out^T = W . a^T``: the upcast
 weight is the left operand, which Hopper's wgmma reads from registers, so upcast values
 never go through shared memory; the packed words, their scales and the activations are
-the software-pipelined shared-memory loads (cp.async, 16 bytes per thread for the words).
+the software-pipelined shared-memory loads (cp.async; the words 16 bytes per thread and
+128 contraction elements).
 
 The same kernel serves fwd (weight quantized along K) and dgrad (weight quantized along N,
 laid out as (K, N)): only the layout differs.
