@@ -150,6 +150,25 @@ def test_prequantized_operands_and_layout_cache(path, gen):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_prequantized_dgrad_and_floor_scale_rule(path, gen):
+    """dgrad with dy and w passed as MXTensors blocked along N; and high-precision inputs
+    quantized with the recipe's scale rule (floor here), like the reference does."""
+    splits = [12, 0, 21]
+    m, n, k = sum(splits), 64, 96
+    dy = quantize_mx(torch.randn(m, n, generator=gen), "e2m1")
+    w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1", op="dgrad")
+    floor = gg.get_recipe("mxfp4").model_copy(update={"scale_rule": "floor"})
+    x = torch.randn(m, k, generator=gen)
+    w_hp = torch.randn(3, n, k, generator=gen)
+    with gg.use_device(PATHS[path]):
+        got = _call("dgrad", dy, w, splits, "mxfp4", NAME, out=poison(torch.empty(m, k)))
+        assert sqnr_db(got, _call("dgrad", dy, w, splits, "mxfp4", "reference")) >= MIN_SQNR
+        got = _call("fwd", x, w_hp, splits, floor, NAME, out=poison(torch.empty(m, n)))
+        assert sqnr_db(got, _call("fwd", x, w_hp, splits, floor, "reference")) >= MIN_SQNR
+
+
+@needs_interpreter
 def test_upcast_layout_round_trip(gen):
     """The layout holds the same codes and scales, rearranged: decode it back."""
     for op in ("fwd", "dgrad"):
