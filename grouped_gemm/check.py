@@ -22,6 +22,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import testing
+from grouped_gemm.bench import mx_weights
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.errors import InvalidArgumentError
 
@@ -55,6 +56,18 @@ def sqnr_floor(out_dtype: str, recipe: str, same_function: bool) -> float:
     return min(floor, RECIPE_VS_UNQUANTIZED_DB.get(recipe, floor))
 
 
+def same_function(recipe: str, op: str, prequantized_weight: bool) -> bool:
+    """Whether a float64 product of the operands as passed computes what the backend does:
+    true unless the backend still quantizes an operand (plain recipes; MX weights passed
+    pre-quantized with the other operand in a format the recipe keeps high-precision)."""
+    r = gg.get_recipe(recipe)
+    if not r.is_mx:
+        return True
+    if op == "wgrad":
+        return r.grad_format is None and r.act_format is None
+    return prequantized_weight and (r.act_format if op == "fwd" else r.grad_format) is None
+
+
 # --- The problems ---------------------------------------------------------------------
 
 
@@ -76,17 +89,19 @@ class Scenario:
         return sum(self.splits)
 
 
+#: Small on purpose: under the Triton interpreter (no GPU) each call costs seconds.
 SCENARIOS = (
-    Scenario("aligned", 128, 256, (128, 128, 128, 128)),
-    Scenario("skewed", 128, 128, tuple(gg.skewed_splits(8, 384))),
-    Scenario("empty_groups", 96, 160, (0, 70, 0, 45, 85, 0)),
+    Scenario("aligned", 128, 128, (64, 64, 64, 64)),
+    Scenario("skewed", 64, 128, tuple(gg.skewed_splits(8, 256))),
+    Scenario("empty_groups", 96, 96, (0, 50, 0, 35, 65, 0)),
     Scenario("all_empty", 64, 64, (0, 0, 0)),
     Scenario("single_group", 64, 96, (77,)),
     Scenario("unaligned", 40, 24, (33, 0, 68)),
 )
 
-#: Op variants: the three ops, and wgrad accumulating into an existing fp32 buffer.
-VARIANTS = ("fwd", "dgrad", "wgrad", "wgrad+acc")
+#: Op variants: the three ops, wgrad accumulating into an existing fp32 buffer, and fwd /
+#: dgrad with the weight passed as an MXTensor (``gg.quantize_mx``; MX recipes only).
+VARIANTS = ("fwd", "dgrad", "wgrad", "wgrad+acc", "fwd+mxw", "dgrad+mxw")
 
 
 @dataclasses.dataclass
@@ -98,7 +113,8 @@ class Case:
     recipe: str
     out_dtype: torch.dtype
     a: torch.Tensor
-    b: torch.Tensor
+    b: Any
+    b_values: torch.Tensor
     init: torch.Tensor | None
     expected64: torch.Tensor | None = None
     expected_same: torch.Tensor | None = None
@@ -111,16 +127,17 @@ class Case:
     def accumulate(self) -> bool:
         return self.variant.endswith("+acc")
 
+    @property
+    def same_function(self) -> bool:
+        """Whether float64 of ``a`` and ``b_values`` is exactly what the backend computes."""
+        return same_function(self.recipe, self.op, self.variant.endswith("+mxw"))
+
     def fresh_out(self) -> torch.Tensor:
         """The output buffer: the initial values when accumulating, else NaN poison."""
         if self.init is not None:
             return self.init.clone()
-        if self.op == "fwd":
-            shape = (self.a.shape[0], self.b.shape[1])
-        elif self.op == "dgrad":
-            shape = (self.a.shape[0], self.b.shape[2])
-        else:
-            shape = (self.scenario.groups, self.a.shape[1], self.b.shape[1])
+        sc = self.scenario
+        shape = {"fwd": (sc.m, sc.n), "dgrad": (sc.m, sc.k)}.get(self.op, (sc.groups, sc.n, sc.k))
         return testing.poison(torch.empty(shape, dtype=self.out_dtype, device=self.a.device))
 
     def call(self, backend: Any) -> torch.Tensor:
@@ -154,10 +171,10 @@ def _input_dtype(recipe: str) -> torch.dtype:
 def _float64_expected(case: Case) -> torch.Tensor:
     splits = list(case.scenario.splits)
     if case.op == "fwd":
-        return testing.ref_fwd(case.a, case.b, splits)
+        return testing.ref_fwd(case.a, case.b_values, splits)
     if case.op == "dgrad":
-        return testing.ref_dgrad(case.a, case.b, splits)
-    expected = testing.ref_wgrad(case.a, case.b, splits)
+        return testing.ref_dgrad(case.a, case.b_values, splits)
+    expected = testing.ref_wgrad(case.a, case.b_values, splits)
     return expected + case.init.double() if case.init is not None else expected
 
 
@@ -178,7 +195,10 @@ def _make_case(scenario: Scenario, variant: str, recipe: str, out_dtype: torch.d
     init = None
     if variant.endswith("+acc"):
         init = torch.randn((g, n, k), generator=gen, device=device, dtype=torch.float32).to(out_dtype)
-    return Case(scenario, variant, recipe, out_dtype, a, b, init)
+    if variant.endswith("+mxw"):
+        q = mx_weights.quantize_weight(b, recipe, op)
+        return Case(scenario, variant, recipe, out_dtype, a, q, mx_weights.dequantized(q, b), init)
+    return Case(scenario, variant, recipe, out_dtype, a, b, b, init)
 
 
 def _out_dtypes(recipe: str) -> list[torch.dtype]:
@@ -205,12 +225,21 @@ class Result:
     message: str = ""
 
 
+def _no_mx_weight(scenario: Scenario, op: str, recipe: str) -> bool:
+    """True when the weight cannot be pre-quantized: a plain recipe, high-precision weights,
+    no ``gg.quantize_mx``, or a block axis (K for fwd, N for dgrad) not a multiple of 32."""
+    axis_length = scenario.k if op == "fwd" else scenario.n
+    return mx_weights.unavailable(recipe, op) is not None or axis_length % gg.get_recipe(recipe).block_size != 0
+
+
 def _specs(recipes: list[str], variants: list[str]) -> list[tuple[Scenario, str, str, torch.dtype]]:
     """Every (scenario, op variant, recipe, out dtype) to check."""
     specs = []
     for scenario in SCENARIOS:
         for recipe in recipes:
             for variant in variants:
+                if variant.endswith("+mxw") and _no_mx_weight(scenario, variant.split("+")[0], recipe):
+                    continue
                 for out_dtype in _out_dtypes(recipe):
                     if variant.endswith("+acc") and out_dtype != torch.float32:
                         continue  # accumulation targets an fp32 main_grad buffer
@@ -222,14 +251,14 @@ def _set_expected(case: Case, decision: gg.Decision) -> None:
     """Float64 of the inputs as given, and for MX recipes also the reference backend's
     fp32 result on the same inputs (the same function) when it is eligible."""
     case.expected64 = _float64_expected(case)
-    if gg.get_recipe(case.recipe).plain_dtype is None and _eligible(decision, "reference"):
+    if not case.same_function and _eligible(decision, "reference"):
         fp32 = dataclasses.replace(case, out_dtype=torch.float32)
         case.expected_same = fp32.call("reference").double()
 
 
 def _expected_for(name: str, case: Case) -> tuple[torch.Tensor, str, bool]:
     """(expected, what it is, same function?) for a backend on a case."""
-    if gg.get_recipe(case.recipe).plain_dtype is not None:
+    if case.same_function:
         return case.expected64, "float64", True
     if case.expected_same is not None and name != "reference":
         return case.expected_same, "reference backend, fp32 out", True

@@ -37,7 +37,7 @@ def test_scenarios_cover_the_edge_cases():
     assert max(skewed) > 2 * sum(skewed) / len(skewed) and len(set(skewed)) > 2
     unaligned = by_name["unaligned"]
     assert unaligned.n % 32 and unaligned.k % 32 and any(s % 8 for s in unaligned.splits)
-    assert set(check.VARIANTS) == {"fwd", "dgrad", "wgrad", "wgrad+acc"}
+    assert set(check.VARIANTS) == {"fwd", "dgrad", "wgrad", "wgrad+acc", "fwd+mxw", "dgrad+mxw"}
 
 
 def test_reference_passes_every_plain_recipe_and_op(capsys):

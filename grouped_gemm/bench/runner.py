@@ -22,7 +22,7 @@ from grouped_gemm.bench.operands import DTYPES, OperandSets, make_operands
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.shapes import Case
 from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
-from grouped_gemm.check import sqnr_floor
+from grouped_gemm.check import same_function, sqnr_floor
 from grouped_gemm.problem import Op, Problem
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
@@ -150,19 +150,6 @@ class Contender:
     kind: str
 
 
-def _same_function(job: Job, prequantized: bool) -> bool:
-    """Whether the float64 reference computes what the backend computes: no operand is
-    left for the backend to quantize (plain recipes; MX weights passed pre-quantized with
-    activations / gradients the recipe keeps in high precision)."""
-    recipe = gg.get_recipe(job.recipe)
-    if not recipe.is_mx:
-        return True
-    if job.op == "wgrad":
-        return recipe.grad_format is None and recipe.act_format is None
-    a_format = recipe.act_format if job.op == "fwd" else recipe.grad_format
-    return prequantized and a_format is None
-
-
 def _output_shape(problem: Problem) -> tuple[int, ...]:
     return {
         "fwd": (problem.m, problem.n),
@@ -266,7 +253,7 @@ class Sweep:
             for name in (n for n in opts.backends if n in skipped):
                 self.result.rows.append(job.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
         sample = accuracy.sample_reference(job.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
-        same = _same_function(job, prequantized=reference_b is not first.b)
+        same = same_function(job.recipe, job.op, prequantized_weight=reference_b is not first.b)
         floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=same)
         contenders = []
         kind = matmul_kind(job.recipe)
