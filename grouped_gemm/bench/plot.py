@@ -60,7 +60,7 @@ def write_png(rows: list[Row], path: Path, title: str) -> None:
         ax.set_title(f"{op} {recipe} {splits}".strip(), fontsize=10)
         ax.legend(fontsize=7, ncol=4)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
