@@ -55,7 +55,7 @@ def measure(groups: int, backend: str, batches: int, calls: int) -> tuple[float,
     w = torch.randn(groups, 8, 8)
     splits = [2] * groups
     direct_backend = registry().get(backend).backend
-    problem, inputs = validation.fwd_or_dgrad("fwd", x, w, splits, None, None, None)
+    problem, _ = validation.fwd_or_dgrad("fwd", x, w, splits, None, None, None)
 
     def api() -> None:
         gg.grouped_gemm(x, w, splits, backend=backend)
