@@ -24,6 +24,7 @@ import grouped_gemm as gg
 from grouped_gemm import testing
 from grouped_gemm.bench import mx_weights
 from grouped_gemm.bench.progress import Progress
+from grouped_gemm.device import torch_device
 from grouped_gemm.errors import InvalidArgumentError
 
 # --- What "correct" means -------------------------------------------------------------
@@ -398,14 +399,6 @@ def report(results: list[Result], backends: list[str], verbose: bool) -> str:
     return "\n".join(lines)
 
 
-def _device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
-    return torch.device(choice)
-
-
 def _names(value: str | None, argument: str, allowed: tuple[str, ...]) -> list[str]:
     if value is None:
         return list(allowed)
@@ -429,7 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """``grouped-gemm check``: 0 when every run passed, 1 on any failure."""
-    device = _device(args.device)
+    device = torch_device(args.device)
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # before backends load: Triton reads it at @jit time
     registered = [b.name for b in gg.list_backends()]

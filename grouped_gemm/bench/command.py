@@ -19,6 +19,7 @@ from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.runner import BenchOptions, Sweep
 from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan
+from grouped_gemm.device import torch_device
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.problem import OPS
 
@@ -57,14 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
-def _device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
-    return torch.device(choice)
-
-
 def _plan(args: argparse.Namespace, device: torch.device) -> TimingPlan:
     base = _GPU_PLAN if device.type == "cuda" else _CPU_PLAN
     plan = TimingPlan(
@@ -93,7 +86,7 @@ def _backends(value: str) -> str | tuple[str, ...]:
 
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
-    device = _device(args.device)
+    device = torch_device(args.device)
     return BenchOptions(
         cases=tuple(select_cases(args.cases, args.scale)),
         ops=tuple(parse_list(args.ops, "ops", OPS)),
