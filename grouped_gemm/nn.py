@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import grouped_linear, recipe_key, weight_operand
+from grouped_gemm.autograd import grouped_linear
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
+from grouped_gemm.linear_math import recipe_key, weight_operand
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.validation import dtype_name
@@ -104,7 +105,7 @@ class GroupedLinear(torch.nn.Module):
     ``fuse_wgrad_accumulation``: backward adds the weight gradient into each weight's
     ``main_grad`` (which the caller allocates, as Megatron-LM's DDP does) instead of
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
-    ``grouped_gemm.autograd.fused_grad_placeholder``).
+    ``grouped_gemm.linear_math.fused_grad_placeholder``).
 
     With an MX recipe the weights are quantized once per weight version and the quantized
     copies reused across forwards (``QuantizedWeightCache``) when their contraction

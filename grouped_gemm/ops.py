@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import dgrad_op, fwd_op, op_recipe, split_args
+from grouped_gemm.custom_ops import dgrad_op, fwd_op
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidTypeError, ShapeError, SplitsError
+from grouped_gemm.linear_math import op_recipe, split_args
 from grouped_gemm.recipes import Recipe
 
 _INT_DTYPES = (torch.int32, torch.int64)

@@ -9,7 +9,7 @@ import torch
 from grouped_gemm.backends.reference import ReferenceBackend
 
 import grouped_gemm as gg
-from grouped_gemm.autograd import bias_grad, recipe_from_key, recipe_key
+from grouped_gemm.linear_math import bias_grad, recipe_from_key, recipe_key
 from grouped_gemm.testing import poison, random_splits, ref_wgrad, rel_error, sqnr_db
 
 ops = torch.ops.grouped_gemm
