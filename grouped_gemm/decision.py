@@ -30,8 +30,9 @@ class Candidate:
 
     @property
     def relevant(self) -> bool:
-        """Whether skipping it counts as a fallback."""
-        return self.preferred or not all(r.code in NOT_IN_THE_RUNNING for r in self.reasons)
+        """Whether skipping it counts as a fallback: it was named, or nothing says it was
+        never meant for this kind of call."""
+        return self.preferred or not any(r.code in NOT_IN_THE_RUNNING for r in self.reasons)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -165,7 +165,7 @@ class Dispatcher:
             if token in self._warned:
                 return
             self._warned.add(token)
-        warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=4)
+        warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=5)
 
     def run(self, problem: Problem, inputs: GroupedInputs, call_order: config.Order | None) -> Any:
         """Route and run; a backend's exception comes back as BackendRunError."""

@@ -328,3 +328,20 @@ def test_dispatch_works_in_a_forked_child(args, trio):
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_backend_for_other_recipes_is_not_a_fallback_whatever_else_it_says(args, make_backend, trio):
+    make_backend(
+        "mx_only", priority=10_000, recipes=frozenset({"mxfp4"}), reasons=[gg.Reason("missing", "no interpreter")]
+    )
+    decision = gg.explain(*args)
+    assert decision.selected == "hi" and not decision.fallback
+    assert gg.explain(*args, backend="mx_only").fallback
+
+
+def test_fallback_warning_points_at_the_caller(args, make_backend, trio):
+    make_backend("broken", priority=1000, reasons=[gg.Reason("missing", "nope")])
+    gg.configure(warn_fallback=True)
+    with pytest.warns(gg.FallbackWarning) as record:
+        gg.grouped_gemm(*args)
+    assert record[0].filename == __file__
