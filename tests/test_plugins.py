@@ -149,3 +149,11 @@ def test_padded_bmm_plugin_is_discovered_ranked_selected_and_explained(gen):
     assert "G=32 exceeds the maximum 16" in str(many.candidate("padded_bmm").reasons[0])
     on_device = gg.explain(op="fwd", groups=4, m=256, n=8, k=8, recipe="fp32", device_splits=True)
     assert "GROUPED_GEMM_PADDED_BMM_CAPACITY" in str(on_device.candidate("padded_bmm").reasons[0])
+
+
+def test_every_built_in_backend_loads():
+    from grouped_gemm.plugins import DEFAULT_PLUGINS
+
+    assert [str(f) for f in gg.plugin_failures()] == []
+    names = {b.plugin for b in gg.list_backends()}
+    assert set(DEFAULT_PLUGINS) <= names
