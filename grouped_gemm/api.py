@@ -16,7 +16,7 @@ from grouped_gemm.device import DeviceInfo, device_info
 from grouped_gemm.dispatch import DISPATCHER, check_names, decide
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.plugins import PluginFailure
-from grouped_gemm.problem import OPS, Op, Problem, splits_alignment
+from grouped_gemm.problem import OPS, Op, Problem, m_alignment
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
@@ -149,7 +149,7 @@ def describe_problem(
         host_splits=not device_splits,
         weight_list=weight_list,
         accumulate=accumulate,
-        m_align=(0 if cap > 1 else 1) if device_splits else splits_alignment(sizes, cap),
+        m_align=m_alignment(None if device_splits else sizes, cap),
     )
 
 

@@ -22,7 +22,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.problem import Op, Problem, splits_alignment
+from grouped_gemm.problem import Op, Problem, m_alignment
 from grouped_gemm.recipes import PLAIN_DTYPES, Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import _registry, registry
 
@@ -243,10 +243,7 @@ def intern_problem(
     ``a_dtype`` / ``b_dtype`` are the operands' torch dtypes, or ``"mx_<fmt>"`` for
     pre-quantized MXTensor operands."""
     cap = _registry.max_m_multiple if _registry._loaded else registry().max_m_multiple
-    if host:
-        m_align = splits_alignment(splits, cap) if cap > 1 else 1
-    else:
-        m_align = 1 if cap <= 1 else 0
+    m_align = m_alignment(splits if host else None, cap)
     on_cuda = device.type == "cuda"
     capturing = on_cuda and torch.cuda.is_current_stream_capturing()
     info = device_info(device)

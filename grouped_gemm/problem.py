@@ -25,9 +25,6 @@ from grouped_gemm.device import DeviceInfo
 Op = Literal["fwd", "dgrad", "wgrad"]
 OPS: tuple[Op, ...] = ("fwd", "dgrad", "wgrad")
 
-#: The largest per-group row alignment tracked (``Problem.m_align`` is capped here).
-MAX_M_ALIGN = 256
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
@@ -102,10 +99,14 @@ def m_bucket(m: int) -> int:
     return 0 if m <= 0 else 1 << (m - 1).bit_length()
 
 
-def splits_alignment(splits: list[int], cap: int) -> int:
-    """The largest power of two <= ``cap`` dividing every split (zero splits divide all)."""
+def m_alignment(splits: list[int] | None, cap: int) -> int:
+    """``Problem.m_align``: the largest power of two <= ``cap`` dividing every split (zero
+    splits divide all); 0 when the splits are on the device (``None``) and an alignment
+    is asked for, since they are not read."""
     if cap <= 1:
         return 1
+    if splits is None:
+        return 0
     bits = 0
     for s in splits:
         bits |= s
