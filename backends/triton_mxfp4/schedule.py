@@ -29,14 +29,18 @@ def group_table(splits_ptr, num_groups, rows_per_tile: tl.constexpr, col_tiles, 
 
 
 @triton.jit
-def locate(t, gi, starts, rows, tiles, tile_end):
-    """(group, first row, rows, tile index within the group) of global tile ``t``."""
+def locate(t, gi, starts, rows, tiles, tile_end, BM: tl.constexpr, BN: tl.constexpr):
+    """(group, first row, rows, row offsets ``rm`` within the group, output columns ``rn``)
+    of global tile ``t``; row tiles are the inner index inside a group."""
     g = tl.sum((tile_end <= t).to(tl.int32), 0)
     mine = gi == g
-    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
+    local = t - tl.sum(tl.where(mine, tile_end - tiles, 0), 0)
     start = tl.sum(tl.where(mine, starts, 0), 0)
     count = tl.sum(tl.where(mine, rows, 0), 0)
-    return g, start, count, t - first_tile
+    row_tiles = tl.cdiv(count, BM)
+    rm = (local % row_tiles) * BM + tl.arange(0, BM)
+    rn = (local // row_tiles) * BN + tl.arange(0, BN)
+    return g, start, count, rm, rn
 
 
 def max_groups_bucket(groups: int) -> int:

@@ -121,10 +121,7 @@ def upcast_grouped_kernel(
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
-        g, start, count, local = locate(t, gi, starts, rows, tiles, tile_end)
-        row_tiles = tl.cdiv(count, BM)
-        rm = (local % row_tiles) * BM + tl.arange(0, BM)
-        rn = (local // row_tiles) * BN + tl.arange(0, BN)
+        g, start, count, rm, rn = locate(t, gi, starts, rows, tiles, tile_end, BM, BN)
         m_ok = rm < count
         n_ok = rn < n_out
         a_rows = A + (start + rm).to(tl.int64) * stride_am
