@@ -124,7 +124,7 @@ def test_random_data(fmt, rule, dtype, shape, axis, pad):
 
 
 @interpreted
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [2, 8, 16, 64])
 def test_other_block_sizes(block_size):
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
     for fmt in FORMATS:
@@ -153,6 +153,22 @@ def test_row_map_reads_rows_without_copying_them(fmt):
     got = triton_quantizer.quantize_rows(x, row_map, FORMATS[fmt], "rceil", 32)
     gathered = torch.where((row_map >= 0)[:, None], x[row_map.clamp(min=0).long()], 0.0)
     assert_same(torch_quantizer.quantize(gathered, FORMATS[fmt], 0, "rceil", 32, 0), got)
+
+
+# Launch shapes of benchmarks/quantize_mx.py's sweep: (blocks, rows, warps) along the last
+# axis, (inner, blocks, warps) along axis 0.
+TILES = {-1: [(8, 16, 2), (32, 4, 4), (16, 8, 4)], 0: [(32, 8, 8), (64, 2, 1), (128, 4, 4)]}
+
+
+@interpreted
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_launch_shapes(axis):
+    x = torch.randn(96, 160, generator=torch.Generator().manual_seed(7)) * 100
+    x[5, 7] = math.inf
+    for fmt in ("e4m3", "e2m1"):
+        want = torch_quantizer.quantize(x, FORMATS[fmt], axis % 2, "rceil", 32, 0)
+        for tile in TILES[axis]:
+            assert_same(want, triton_quantizer.quantize(x, FORMATS[fmt], axis % 2, "rceil", 32, 0, tile=tile))
 
 
 @interpreted
@@ -215,6 +231,20 @@ def test_gpu_edge_cases_and_all_bit_patterns(fmt, rule):
         x = (high | low).to(torch.int32).view(torch.float32).cuda()
         assert_same(*both(x, fmt, rule=rule))
         assert_same(*both(x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(low))], fmt, rule=rule))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_gpu_launch_shapes(fmt):
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(1024, 4192 + 32, generator=gen).to(torch.bfloat16)
+    x.view(-1)[::70001] = math.inf
+    xc = x.cuda()
+    for axis in (-1, 0):
+        want = torch_quantizer.quantize(x, FORMATS[fmt], axis % 2, "rceil", 32, 0)
+        for tile in TILES[axis]:
+            got = triton_quantizer.quantize(xc, FORMATS[fmt], axis % 2, "rceil", 32, 0, tile=tile)
+            assert_same(want, got)
 
 
 @pytest.mark.gpu

@@ -4,9 +4,11 @@ Every rule is written on integer fp32 bits, exactly as in ``torch_quantizer`` (s
 for the rules); elements round to nearest even by one fp32 addition (or the hardware
 fp8 conversion, see ``_encode``):
 
-- ``quantize_last``: blocks along a contiguous last axis; a tile is ``(rows, blocks, B)``.
+- ``quantize_last``: blocks along a contiguous last axis; a tile is ``(rows, blocks, B)``
+  (E2M1: ``(blocks, rows, B / 8, 8)``).
 - ``quantize_strided``: blocks along an axis followed by contiguous elements
-  (``(outer, L, inner)``); a tile is ``(blocks, B, inner)``. It can read its rows through
+  (``(outer, L, inner)``); a tile is ``(row threads, blocks, row registers, inner)``
+  (``TILE_BLOCKS`` blocks of ``B`` rows). It can read its rows through
   a row map (-1 = a zero row): the grouped helpers use that to pad each group's rows to a
   multiple of 32 without materializing a padded copy.
 """
@@ -74,6 +76,15 @@ def _encode(
 
 
 @triton.jit
+def _block_amax(x, AXIS: tl.constexpr, AXIS2: tl.constexpr):
+    """Largest magnitude bits over axes ``AXIS`` and then ``AXIS2`` (-1: none)."""
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    if AXIS2 >= 0:
+        amax = tl.max(amax, axis=AXIS2)
+    return amax
+
+
+@triton.jit
 def quantize_last(
     x_ptr,
     data_ptr,
@@ -100,30 +111,49 @@ def quantize_last(
     col_tile = pid % col_tiles
     r1 = (row_tile * TILE_ROWS + tl.arange(0, TILE_ROWS)).to(tl.int64)
     b1 = col_tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
-    r = r1[:, None, None]
-    b = b1[None, :, None]
-    c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
-    x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    nonfinite = amax >= 0x7F800000
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[:, :, None], 0, code)
+    if NBITS == 4:
+        # E2M1: the tile is (blocks, rows, chunks, 8). Triton orders the axes after the
+        # contiguous one from the first, so threads go to blocks, then rows, and a block's
+        # chunks of 8 elements stay in one thread's registers: the amax needs no shuffles,
+        # pairs split in registers, and the packed bytes (4 per chunk) are stored from the
+        # load layout (no shared-memory conversion).
+        CHUNK: tl.constexpr = 8 if BLOCK >= 8 else BLOCK
+        b = b1[:, None, None, None]
+        r = r1[None, :, None, None]
+        k = tl.arange(0, BLOCK // CHUNK)[None, None, :, None]
+        c = b * BLOCK + k * CHUNK + tl.arange(0, CHUNK)[None, None, None, :]
+        x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+        amax = _block_amax(x, 3, 2)
+        exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+        nonfinite = amax >= 0x7F800000
+        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+        code = _encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        lo, hi = tl.split(tl.reshape(code, (TILE_BLOCKS, TILE_ROWS, BLOCK // CHUNK, CHUNK // 2, 2)))
+        packed = tl.where(nonfinite[:, :, None, None], 0, lo | (hi << 4))  # once per packed byte
+        p = b * (BLOCK // 2) + k * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, None, None, :]
+        tl.store(data_ptr + r * (padded // 2) + p, packed.to(tl.uint8), mask=(r < rows) & (p < padded // 2))
+        r2 = r1[None, :]
+        b2 = b1[:, None]
+    else:
+        r = r1[:, None, None]
+        b = b1[None, :, None]
+        c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
+        x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+        amax = _block_amax(x, 2, -1)
+        exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+        nonfinite = amax >= 0x7F800000
+        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = tl.where(nonfinite[:, :, None], 0, code)
+        tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
+        r2 = r1[:, None]
+        b2 = b1[None, :]
     nblocks = padded // BLOCK
-    r2 = r1[:, None]
-    b2 = b1[None, :]
     tl.store(
         scale_ptr + r2 * nblocks + b2,
         tl.where(nonfinite, 255, exp + 127).to(tl.uint8),
         mask=(r2 < rows) & (b2 < nblocks),
     )
-    if NBITS == 4:
-        lo, hi = tl.split(tl.reshape(code, (TILE_ROWS, TILE_BLOCKS, BLOCK // 2, 2)))
-        p = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, None, :]
-        tl.store(data_ptr + r * (padded // 2) + p, (lo | (hi << 4)).to(tl.uint8), mask=(r < rows) & (p < padded // 2))
-    else:
-        tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
 
 
 @triton.jit
@@ -153,6 +183,7 @@ def quantize_strided(
     BLOCK: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
     TILE_INNER: tl.constexpr,
+    ROW_THREADS: tl.constexpr,
     RULE: tl.constexpr,
     EMAX: tl.constexpr,
     MAX_MANT: tl.constexpr,
@@ -167,27 +198,34 @@ def quantize_strided(
     per_outer = block_tiles * inner_tiles
     o = (pid // per_outer).to(tl.int64)
     rest = pid % per_outer
-    b = (rest // inner_tiles) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+    b1 = (rest // inner_tiles) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
     i1 = (rest % inner_tiles) * TILE_INNER + tl.arange(0, TILE_INNER)
-    i = i1[None, None, :]
-    # For E2M1, elements 2j and 2j + 1 of each block are loaded as two tiles, so pairs
-    # pack without shuffles and every load stays contiguous along the inner axis.
+    # A tile is (rows in registers, blocks, rows across threads, inner). Triton gives each
+    # thread 16 contiguous inner elements (the byte stores' width; the loads match them),
+    # fills a warp with inner columns and then ROW_THREADS rows, and puts the warps on the
+    # blocks axis: the amax is a register max plus log2(ROW_THREADS) shuffles, never a
+    # trip through shared memory, and the codes are stored from the load layout.
+    # For E2M1, rows 2m and 2m + 1 are loaded as two such tiles, so pairs pack in place.
     PER: tl.constexpr = 2 if NBITS == 4 else 1
-    j = b[:, None, None] * BLOCK + tl.arange(0, BLOCK // PER)[None, :, None] * PER
+    ROW_REGS: tl.constexpr = BLOCK // PER // ROW_THREADS
+    i = i1[None, None, None, :]
+    m = tl.arange(0, ROW_THREADS)[:, None, None, None] * ROW_REGS + tl.arange(0, ROW_REGS)[None, None, :, None]
+    j = b1[None, :, None, None] * BLOCK + m * PER
     x0 = _load_rows(x_ptr, map_ptr, o, j, i, length, padded, inner, HAS_MAP, BF16_BITS)
-    amax = tl.max(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    amax = _block_amax(x0, 2, -1)  # registers first, then one shuffle tree for both halves
     if NBITS == 4:
         x1 = _load_rows(x_ptr, map_ptr, o, j + 1, i, length, padded, inner, HAS_MAP, BF16_BITS)
-        amax = tl.maximum(amax, tl.max(x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        amax = tl.maximum(amax, _block_amax(x1, 2, -1))
+    amax = tl.max(amax, axis=0)
     exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    nonfinite = (amax >= 0x7F800000)[:, None, :]
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, None, :]
-    code = tl.where(nonfinite, 0, _encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE))
+    nonfinite = (amax >= 0x7F800000)[None, :, None, :]
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[None, :, None, :]
+    code = _encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     if NBITS == 4:
-        code1 = tl.where(nonfinite, 0, _encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE))
-        code = code | (code1 << 4)
+        code = code | (_encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE) << 4)
+    code = tl.where(nonfinite, 0, code)  # once per packed byte
     nblocks = padded // BLOCK
-    b2 = b[:, None]
+    b2 = b1[:, None]
     i2 = i1[None, :]
     tl.store(
         scale_ptr + (o * nblocks + b2) * inner + i2,

@@ -76,7 +76,8 @@ def _launch_last(
     tile: tuple[int, int, int] | None,
 ) -> None:
     # Default tiles: 16 blocks x 8 rows (fp8) or x 16 rows (E2M1), 4 warps: the fastest of
-    # benchmarks/quantize_mx.py's sweep on an H200 for 8192 x 7168 bf16.
+    # benchmarks/quantize_mx.py's sweep on an H200 for 8192 x 7168 bf16 (for E2M1 within
+    # 0.5 % of the fastest, docs/mx_formats.md).
     nblocks = padded // block_size
     tile_blocks = tile[0] if tile else _pow2_at_most(nblocks, max(1, 512 // block_size))
     per_tile = 4096 if fmt.bits == 8 else 8192
@@ -114,11 +115,16 @@ def _launch_strided(
     block_size: int,
     tile: tuple[int, int, int] | None,
 ) -> None:
-    # Default tiles: 128 columns x 1 block (fp8), 256 x 4 (E2M1), the sweep's fastest (H200).
+    # Default tiles, the fastest of benchmarks/quantize_mx.py's sweep on an H200 (8192 x
+    # 7168 bf16, docs/mx_formats.md): 128 columns x 1 block on 1 warp (fp8), 64 x 2 on 2
+    # warps (E2M1). quantize_strided puts warps on blocks, so never more warps than blocks.
     nblocks = padded // block_size
-    tile_inner = tile[0] if tile else _pow2_at_most(inner, 128 if fmt.bits == 8 else 256)
-    tile_blocks = tile[1] if tile else _pow2_at_most(nblocks, 1 if fmt.bits == 8 else 4)
-    warps = tile[2] if tile else 4
+    tile_inner = tile[0] if tile else _pow2_at_most(inner, 128 if fmt.bits == 8 else 64)
+    tile_blocks = tile[1] if tile else _pow2_at_most(nblocks, 1 if fmt.bits == 8 else 2)
+    warps = tile[2] if tile else tile_blocks
+    # Rows of a block spread over the threads a warp has left after the inner columns
+    # (16 per thread); the rest of the block's rows stay in each thread's registers.
+    row_threads = min(block_size // fmt.per_byte, max(1, 32 // max(1, tile_inner // 16)))
     block_tiles = triton.cdiv(nblocks, tile_blocks)
     inner_tiles = triton.cdiv(inner, tile_inner)
     grid = (outer * block_tiles * inner_tiles,)
@@ -136,6 +142,7 @@ def _launch_strided(
         BLOCK=block_size,
         TILE_BLOCKS=tile_blocks,
         TILE_INNER=tile_inner,
+        ROW_THREADS=row_threads,
         num_warps=warps,
         **_format_args(x, fmt, rule),
     )
