@@ -5,53 +5,146 @@ the GEMM would make the trip through shared memory that the weights avoid. Inste
 Hopper path decodes MX activations once, exactly, to bf16 (E4M3 and E2M1 values times
 powers of two are bf16 numbers), then runs the bf16 x E2M1 kernel: one extra pass over
 the activations, a few percent of a compute-bound GEMM. The result is bit-identical to
-``MXTensor.dequantize(torch.bfloat16)``.
+``MXTensor.dequantize(torch.bfloat16)`` (NaNs are NaN, their payloads unspecified).
+
+The pass is memory-bound (1 or 0.5 bytes read and 2 written per element), so the kernel is
+shaped around wide accesses without layout conversions: every tile is (rows, vectors, 8),
+eight consecutive elements per thread being one 16-byte bf16 store. Codes are loaded in
+that same layout as stored (8-byte E4M3 / 4-byte E2M1 loads, so no shared-memory shuffle
+between load and store); E2M1 nibbles are split once and interleaved in registers
+(``tl.join`` + ``reshape``; along axis 0 they are even and odd rows). Each vector loads its
+scale byte(s) directly (L1 hits: one 32-block spans 4 vectors), not through a gather tile.
+- E4M3 uses the hardware conversion (``HW_E4M3``, sm_89+: exact, 0x7F / 0xFF to NaN);
+  the portable integer decode of ``decode.py`` serves the interpreter and other targets.
+- The value times its scale is computed in fp32 and rounded once to bf16, as
+  ``MXTensor.dequantize`` does; the fp32 product is exact, so the result is too (or
+  infinite, where the true value exceeds the bf16 range).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import mx_to_fp32
+from grouped_gemm.backends.triton_mxfp4.decode import e2m1_to_fp32, e8m0_to_fp32
+
+#: 2^120: E4M3 bits placed in an fp32 pattern (``_e4m3_to_fp32``) read as value * 2^-120.
+TWO_POW_120 = tl.constexpr(1.329227995784916e36)
+
+
+@triton.jit
+def _vectors(start, N: tl.constexpr, V: tl.constexpr):
+    """Indices start .. start + N - 1 as (N / V, V) runs of ``V`` consecutive ones."""
+    return start + (tl.arange(0, N // V) * V)[:, None] + tl.arange(0, V)[None, :]
+
+
+@triton.jit
+def _decode(codes, FMT: tl.constexpr, HW_E4M3: tl.constexpr):
+    """Element codes (E2M1 nibbles or E4M3 bytes, uint8) -> fp32 values (exact)."""
+    if FMT == "e2m1":
+        return e2m1_to_fp32(codes)
+    if HW_E4M3:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3_to_fp32(codes)
+
+
+@triton.jit
+def _e4m3_to_fp32(codes):
+    """E4M3 bytes -> fp32 values (exact, 0x80 is -0, 0x7F / 0xFF are NaN), portable.
+
+    The sign to bit 31 and exponent and mantissa to bits 20..26 make an fp32 pattern worth
+    value * 2^-120, subnormals included (E4M3 exponent 0 lands on fp32 exponent 0); one
+    exact multiply restores the value. (``decode.e4m3_to_fp32`` negates by ``0 - x``,
+    which turns -0 into +0.)"""
+    c = codes.to(tl.uint32)
+    value = (((c & 0x80) << 24) | ((c & 0x7F) << 20)).to(tl.float32, bitcast=True) * TWO_POW_120
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
 def dequant_kernel(
     D,
-    stride_dr,
+    stride_d,
     S,
-    stride_sr,
+    stride_s,
     Out,
-    stride_or,
+    stride_o,
     rows,
     cols,
+    col_tiles,
     AXIS: tl.constexpr,
     FMT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """Decode a 2-D MX tensor blocked along ``AXIS`` (E2M1 packed along it) into ``Out``."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    ok = (r < rows)[:, None] & (c < cols)[None, :]
-    r64 = r.to(tl.int64)
+    """Decode the (BR, BC) tile of a 2-D MX tensor blocked along ``AXIS`` (E2M1 packed
+    along it) into ``Out`` (rows x cols, the logical shape). Along ``AXIS`` the tile spans
+    whole 32-blocks (BR or BC a multiple of 32), and loads are masked by block, so they
+    stay 16 bytes wide at any length; padding past the logical shape is read, not stored.
+    Programs run row tile by row tile (column tiles fastest), so the programs in flight
+    read and write a few whole rows: contiguous stretches of memory, not a column stripe
+    across thousands of rows (20-40 % faster on the H200 at the same tiles)."""
+    V: tl.constexpr = 8  # elements per vector: a 16-byte bf16 store
+    PER_BYTE: tl.constexpr = 2 if FMT == "e2m1" else 1
+    row_tile = tl.program_id(0) // col_tiles
+    col_tile = tl.program_id(0) % col_tiles
+    r = row_tile * BR + tl.arange(0, BR)
     if AXIS == 1:
-        scale = tl.load(S + r64[:, None] * stride_sr + (c // 32)[None, :], mask=ok, other=0)
-        if FMT == "e2m1":
-            byte = tl.load(D + r64[:, None] * stride_dr + (c // 2)[None, :], mask=ok, other=0)
-            codes = tl.where((c % 2 == 0)[None, :], byte & 15, byte >> 4)
-        else:
-            codes = tl.load(D + r64[:, None] * stride_dr + c[None, :], mask=ok, other=0)
+        cv = _vectors(col_tile * BC, BC, V)
+        # (BR, BC / V, V / PER_BYTE): whole 32-blocks are in the tensor or not.
+        rowd = r.to(tl.int64)[:, None, None] * stride_d
+        bv = _vectors(col_tile * (BC // PER_BYTE), BC // PER_BYTE, V // PER_BYTE)
+        live = (r < rows)[:, None, None] & (bv < tl.cdiv(cols, 32) * (32 // PER_BYTE))[None, :, :]
+        codes = tl.load(D + rowd + bv[None, :, :], mask=live, other=0)
+        if FMT == "e2m1":  # element 2i in the low nibble of byte i
+            codes = tl.reshape(tl.join(codes & 15, codes >> 4), (BR, BC // V, V))
+        sv = cv // 32
+        in_s = (r < rows)[:, None, None] & (sv < tl.cdiv(cols, 32))[None, :, :]
+        scale = tl.load(S + r.to(tl.int64)[:, None, None] * stride_s + sv[None, :, :], mask=in_s, other=0)
+        values = _decode(codes, FMT, HW_E4M3) * e8m0_to_fp32(scale)
+        out = Out + r.to(tl.int64)[:, None, None] * stride_o + cv[None, :, :]
+        ok = (r < rows)[:, None, None] & (cv < cols)[None, :, :]
     else:
-        scale = tl.load(S + (r64 // 32)[:, None] * stride_sr + c[None, :], mask=ok, other=0)
-        if FMT == "e2m1":
-            byte = tl.load(D + (r64 // 2)[:, None] * stride_dr + c[None, :], mask=ok, other=0)
-            codes = tl.where((r % 2 == 0)[:, None], byte & 15, byte >> 4)
-        else:
-            codes = tl.load(D + r64[:, None] * stride_dr + c[None, :], mask=ok, other=0)
-    value = mx_to_fp32(codes, scale, FMT)
-    tl.store(Out + r64[:, None] * stride_or + c[None, :], value.to(Out.dtype.element_ty), mask=ok)
+        cv = _vectors(col_tile * BC, BC, V)
+        rb = row_tile * (BR // PER_BYTE) + tl.arange(0, BR // PER_BYTE)
+        # (BR / PER_BYTE, BC / V, V) bytes: whole 32-blocks are in the tensor or not.
+        live = (rb < tl.cdiv(rows, 32) * (32 // PER_BYTE))[:, None, None] & (cv < cols)[None, :, :]
+        codes = tl.load(D + rb.to(tl.int64)[:, None, None] * stride_d + cv[None, :, :], mask=live, other=0)
+        if FMT == "e2m1":  # row 2i in the low nibble of byte row i
+            codes = tl.join(codes & 15, codes >> 4)
+            codes = tl.reshape(tl.permute(codes, (0, 3, 1, 2)), (BR, BC // V, V))
+        rs = (r // 32).to(tl.int64)[:, None, None]
+        in_s = (r < tl.cdiv(rows, 32) * 32)[:, None, None] & (cv < cols)[None, :, :]
+        scale = tl.load(S + rs * stride_s + cv[None, :, :], mask=in_s, other=0)
+        values = _decode(codes, FMT, HW_E4M3) * e8m0_to_fp32(scale)
+        out = Out + r.to(tl.int64)[:, None, None] * stride_o + cv[None, :, :]
+        ok = (r < rows)[:, None, None] & (cv < cols)[None, :, :]
+    tl.store(out, values.to(Out.dtype.element_ty), mask=ok)
 
 
-def grid(rows: int, cols: int, br: int, bc: int) -> tuple[int, int]:
-    return (triton.cdiv(rows, br), triton.cdiv(cols, bc))
+@dataclasses.dataclass(frozen=True)
+class DequantTile:
+    """Rows (``br``) x columns (``bc``) per program and warps; the extent along the block
+    axis must be a multiple of 32 (whole scale blocks)."""
+
+    br: int
+    bc: int
+    warps: int
+
+
+#: Default GPU tiles by block axis, the fastest of ``benchmarks/triton_mxfp4.py --sweep`` on
+#: the H200 (docs/notes/triton_mxfp4.md): few rows per tile measured fastest (8 x 512 at
+#: 3.0-3.2 TB/s against 0.8-0.9 for 32 x 256); along axis 0 a tile spans one 32-row
+#: scale block.
+DEQUANT_TILES = {1: DequantTile(br=8, bc=512, warps=4), 0: DequantTile(br=32, bc=128, warps=4)}
+
+
+def column_tiles(cols: int, tile: DequantTile) -> int:
+    return triton.cdiv(cols, tile.bc)
+
+
+def grid(rows: int, cols: int, tile: DequantTile) -> tuple[int]:
+    """One program per tile (1-D: the kernel walks column tiles fastest)."""
+    return (triton.cdiv(rows, tile.br) * column_tiles(cols, tile),)

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mxfp4.dequant_kernel import dequant_kernel
+from grouped_gemm.backends.triton_mxfp4.dequant_kernel import DEQUANT_TILES, DequantTile, column_tiles, dequant_kernel
 from grouped_gemm.backends.triton_mxfp4.dequant_kernel import grid as dequant_grid
 from grouped_gemm.backends.triton_mxfp4.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mxfp4.scaled_kernel import block_k_for, scaled_grouped_kernel
@@ -22,6 +22,7 @@ from grouped_gemm.backends.triton_mxfp4.upcast_kernel import upcast_grouped_kern
 from grouped_gemm.backends.triton_mxfp4.wgrad_kernel import wgrad_grouped_kernel
 from triton.runtime.interpreter import InterpretedFunction
 
+from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor
 
 
@@ -208,14 +209,18 @@ def launch_scaled(
     return out
 
 
-def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A 2-D MXTensor (blocked along axis 0 or 1, no padding) decoded to ``dtype`` in one pass."""
+def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTile | None = None) -> torch.Tensor:
+    """A 2-D MXTensor blocked along axis 0 or 1 decoded to ``dtype`` in one pass, bit for bit
+    ``t.dequantize(dtype)`` (NaN payloads aside). Padding along the block axis is dropped.
+    ``tile`` overrides the default (``DEQUANT_TILES``, see there; benchmarks pass others)."""
     rows, cols = t.shape
     out = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interpreted() else DEQUANT_TILES[t.axis])
+    if (tile.br, tile.bc)[t.axis] % 32:
+        raise InvalidArgumentError("tile", tile, f"a multiple of 32 along the block axis (axis {t.axis})")
     if rows and cols:
         data = _u8(t.data)
-        br, bc = (16, 32) if interpreted() else (32, 128)
-        dequant_kernel[dequant_grid(rows, cols, br, bc)](
+        dequant_kernel[dequant_grid(rows, cols, tile)](
             data,
             data.stride(0),
             t.scale,
@@ -224,10 +229,13 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor
             out.stride(0),
             rows,
             cols,
+            column_tiles(cols, tile),
             AXIS=t.axis,
             FMT=t.fmt,
-            BR=br,
-            BC=bc,
+            HW_E4M3=ptx_decode(t.device),
+            BR=tile.br,
+            BC=tile.bc,
+            num_warps=tile.warps,
         )
     return out
 
