@@ -244,17 +244,24 @@ def test_folded_scale_multiply_matches(gen):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("run_major", [True, False])
 @pytest.mark.parametrize("blocks", [2, 4])
-def test_upcast_contraction_steps(blocks, gen):
+def test_upcast_contraction_steps(blocks, run_major, gen):
     """Both step sizes of the upcast kernel against float64, K = 192: 64-element steps also
-    start in the middle of a 128-run, 128-element steps read the layout's zero padding."""
+    start in the middle of a 128-run, 128-element steps read the layout's zero padding;
+    both memory orders of the layout (the kernel reads either through its strides)."""
     splits = [3, 0, 29]
     n, k = 96, 192
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1")
     config = launch.UpcastConfig(bm=16, bn=64, blocks=blocks, warps=4, stages=1, per_sm=1)
     got = launch.launch_upcast(
-        x, layouts.build_upcast_weight(w), torch.tensor(splits), poison(torch.empty(32, n)), 3, config
+        x,
+        layouts.build_upcast_weight(w, run_major=run_major),
+        torch.tensor(splits),
+        poison(torch.empty(32, n)),
+        3,
+        config,
     )
     want = ref_fwd(x, w.dequantize(), splits)
     assert sqnr_db(got, want) >= MIN_SQNR

@@ -104,6 +104,7 @@ def launch_upcast(
         w.data,
         w.data.stride(0),
         w.data.stride(1),
+        w.data.stride(2),
         w.scales,
         w.scales.stride(0),
         w.scales.stride(1),

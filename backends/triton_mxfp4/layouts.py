@@ -4,17 +4,21 @@
 weight quantized along K; dgrad: (K, N) from one quantized along N), contraction padded to
 a multiple of 128 with zero codes:
 
-- ``data`` (G, rows, Kp/8) int32: words of eight E2M1 codes, arranged for Hopper's wgmma
-  register operand. In the bf16 A fragment of ``m64nNk16``, the thread with ``q = lane % 4``
-  holds, per row, contraction elements 2q, 2q+1, 2q+8, 2q+9 of each 16; so for every run
-  of 128 elements a row stores 16 words, word ``4q + b`` (q, b in 0..3) holding the
-  elements ``32b + 8j + 2q + h`` of its 32-block b at nibble ``j + 4h`` (j in 0..3, h in
-  0..1). A thread's words are contiguous (16 bytes per 128 elements), every word lies in
-  one 32-block (one scale), and nibbles i and i + 4 are the
-  consecutive elements (k, k+1) that share a register of the fragment, which the decode
-  produces together. The kernel puts the decoded values back in contraction order with
-  join / permute / reshape, which the compiler resolves to register renaming (no data
-  movement: docs/notes/triton_mxfp4.md has the instruction counts).
+- ``data`` (G, rows, Kp/128, 16) int32, indexed (group, row, 128-run, word): words of
+  eight E2M1 codes, arranged for Hopper's wgmma register operand. In the bf16 A fragment
+  of ``m64nNk16``, the thread with ``q = lane % 4`` holds, per row, contraction elements
+  2q, 2q+1, 2q+8, 2q+9 of each 16; so for every run of 128 elements a row stores 16
+  words, word ``4q + b`` (q, b in 0..3) holding the elements ``32b + 8j + 2q + h`` of its
+  32-block b at nibble ``j + 4h`` (j in 0..3, h in 0..1). A thread's words are contiguous
+  (16 bytes per 128 elements), every word lies in one 32-block (one scale), and nibbles
+  i and i + 4 are the consecutive elements (k, k+1) that share a register of the
+  fragment, which the decode produces together. The kernel puts the decoded values back
+  in contraction order with join / permute / reshape, which the compiler resolves to
+  register renaming (no data movement: docs/notes/triton_mxfp4.md has the instruction
+  counts). Stored run-major (memory order group, run, row, word): the runs a row tile
+  reads in one contraction step are one contiguous ``rows x 64``-byte stretch, and long
+  contiguous reads are what HBM serves fastest when a decode-like call streams the
+  weight once (docs/notes/triton_mxfp4.md compares the row-major order).
 - ``scales`` (G, Kp/128, rows) int32: the four E8M0 bytes of each 128-element run of a
   row, little-endian, transposed so a row tile's scales are one contiguous 4-byte-per-row
   load (the software pipeliner only streams loads of at least 4 bytes per thread).
@@ -70,22 +74,27 @@ def _scales_rows_by_blocks(mx: MXTensor, g: int) -> torch.Tensor:
     return s if mx.axis == 2 else s.T
 
 
-def build_upcast_weight(mx: MXTensor, check_scales: bool = False) -> UpcastWeight:
+def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: bool = True) -> UpcastWeight:
     """The upcast layout of a (G, N, K) E2M1 weight quantized along K (fwd) or N (dgrad);
-    ``check_scales`` finds out ``small_scales`` (one device-to-host read)."""
+    ``check_scales`` finds out ``small_scales`` (one device-to-host read); ``run_major``
+    False stores rows contiguously instead (the same logical layout, for comparisons)."""
     groups = mx.shape[0]
     rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
     k_red = mx.shape[mx.axis]
     k_padded = -(-k_red // K_ALIGN) * K_ALIGN
-    data = torch.empty(groups, rows, k_padded // 8, dtype=torch.int32, device=mx.device)
+    runs = k_padded // K_ALIGN
+    if run_major:
+        data = torch.empty(groups, runs, rows, 16, dtype=torch.int32, device=mx.device).transpose(1, 2)
+    else:
+        data = torch.empty(groups, rows, runs, 16, dtype=torch.int32, device=mx.device)
     scales = torch.empty(groups, k_padded // K_ALIGN, rows, dtype=torch.int32, device=mx.device)
     for g in range(groups):
         codes = torch.nn.functional.pad(_codes_rows_by_contraction(mx, g), (0, k_padded - k_red)).to(torch.int64)
         # Element 32b + 8j + 2q + h of each 128-run -> word 4q + b, nibble j + 4h.
-        runs = codes.reshape(rows, k_padded // K_ALIGN, 4, 4, 4, 2)  # row, run, b, j, q, h
-        nibbles = runs.permute(0, 1, 4, 2, 5, 3).reshape(rows, k_padded // 8, 8)  # row, word (q, b), nibble (h, j)
+        split = codes.reshape(rows, runs, 4, 4, 4, 2)  # row, run, b, j, q, h
+        nibbles = split.permute(0, 1, 4, 2, 5, 3).reshape(rows, k_padded // 8, 8)  # row, word (q, b), nibble (h, j)
         words = (nibbles << (4 * torch.arange(8, device=codes.device))).sum(-1)
-        data[g] = (words - ((words >> 31) << 32)).to(torch.int32)
+        data[g] = (words - ((words >> 31) << 32)).to(torch.int32).reshape(rows, runs, 16)
         blocks = torch.nn.functional.pad(_scales_rows_by_blocks(mx, g), (0, (k_padded - k_red) // 32))
         scales[g] = blocks.contiguous().view(torch.int32).T
     small = check_scales and not _capturing(mx.device) and bool((mx.scale <= 128).all())

@@ -52,6 +52,7 @@ def _step(
     k,
     a_rows,
     w_rows,
+    stride_wr,
     s_rows,
     stride_sk,
     m_ok,
@@ -71,7 +72,7 @@ def _step(
     BK: tl.constexpr = 32 * BLOCKS
     first = (k % 128) // 32
     rows: tl.constexpr = w_rows.shape[0]
-    cols = (k // 128) * 16 + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
+    cols = (k // 128) * stride_wr + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
     words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
@@ -96,6 +97,7 @@ def upcast_grouped_kernel(
     W,
     stride_wg,
     stride_wn,
+    stride_wr,
     S,
     stride_sg,
     stride_sk,
@@ -132,13 +134,41 @@ def upcast_grouped_kernel(
             k = 0
             while k < k_red:
                 acc = _step(
-                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, FOLD, INTERP
+                    acc,
+                    k,
+                    a_rows,
+                    w_rows,
+                    stride_wr,
+                    s_rows,
+                    stride_sk,
+                    m_ok,
+                    n_ok,
+                    k_red,
+                    BLOCKS,
+                    EVEN_K,
+                    PTX,
+                    FOLD,
+                    INTERP,
                 )
                 k += BK
         else:
             for k in range(0, k_red, BK):
                 acc = _step(
-                    acc, k, a_rows, w_rows, s_rows, stride_sk, m_ok, n_ok, k_red, BLOCKS, EVEN_K, PTX, FOLD, INTERP
+                    acc,
+                    k,
+                    a_rows,
+                    w_rows,
+                    stride_wr,
+                    s_rows,
+                    stride_sk,
+                    m_ok,
+                    n_ok,
+                    k_red,
+                    BLOCKS,
+                    EVEN_K,
+                    PTX,
+                    FOLD,
+                    INTERP,
                 )
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
