@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 import triton
+from bf16_probe import launch_bf16_probe
 from grouped_gemm.backends.triton_mxfp4 import launch, layouts
+from grouped_gemm.backends.triton_mxfp4.dequant_kernel import DequantTile
 from grouped_gemm.backends.triton_mxfp4.upcast_kernel import upcast_grouped_kernel
 from triton.testing import do_bench
 
@@ -45,16 +47,47 @@ from grouped_gemm.testing import sqnr_db
 SHAPES = Path(__file__).with_name("moe_shapes.json")
 DECODE = ("dsv3_gateup_decode", "qwen3_30b_gateup_decode", "gptoss120b_gateup_decode")
 GOALS = {"a16w4": {"decode": 3.0, "compute": 0.9}, "a8w4": {"compute": 0.7}, "mxfp4": {"compute": 0.7}}
-SWEEP_CASES = ("qwen3_30b_gateup_decode", "gptoss120b_gateup_decode", "dsv3_gateup_ep8", "qwen3_30b_gateup")
-SWEEP = [
-    launch.UpcastConfig(16, 128, 4, 4, 4, 1),
+#: --sweep: upcast configurations per case and split pattern (kernel alone, run-major
+#: layout; the first configuration of each list also with the row-major layout).
+DECODE_CONFIGS = [
     launch.UpcastConfig(16, 128, 4, 4, 4, 2),
-    launch.UpcastConfig(16, 128, 4, 4, 4, 3),
-    launch.UpcastConfig(16, 64, 4, 4, 6, 4),
-    launch.UpcastConfig(128, 128, 4, 8, 3, 1),
-    launch.UpcastConfig(256, 128, 2, 8, 3, 1),
-    launch.UpcastConfig(256, 128, 2, 8, 4, 1),
+    launch.UpcastConfig(16, 128, 4, 4, 6, 2),
+    launch.UpcastConfig(16, 128, 4, 4, 8, 2),
+    launch.UpcastConfig(16, 128, 4, 4, 6, 1),
+    launch.UpcastConfig(16, 128, 4, 4, 8, 1),
+    launch.UpcastConfig(32, 128, 4, 4, 4, 2),
+    launch.UpcastConfig(32, 128, 4, 4, 6, 2),
+    launch.UpcastConfig(16, 64, 4, 4, 8, 4),
+    launch.UpcastConfig(16, 256, 4, 8, 4, 1),
 ]
+COMPUTE_CONFIGS = [
+    launch.UpcastConfig(256, 128, 2, 8, 4, 1),
+    launch.UpcastConfig(256, 128, 2, 8, 3, 1),
+    launch.UpcastConfig(128, 256, 2, 8, 3, 1),
+    launch.UpcastConfig(128, 256, 4, 8, 3, 1),
+    launch.UpcastConfig(256, 128, 4, 8, 2, 1),
+    launch.UpcastConfig(128, 128, 4, 8, 4, 1),
+    launch.UpcastConfig(256, 64, 4, 4, 3, 1),
+]
+SWEEP_CASES = {
+    "qwen3_30b_gateup_decode": ("balanced",),
+    "gptoss120b_gateup_decode": ("balanced",),
+    "dsv3_gateup_decode": ("balanced", "skewed"),
+    "dsv3_gateup_ep8": ("balanced",),
+    "qwen3_30b_gateup": ("balanced", "skewed"),
+    "mixtral_down": ("balanced",),
+}
+#: --sweep: tiles of the MX -> bf16 activation decode (the first is the default).
+DEQUANT_SWEEP = [
+    DequantTile(16, 256, 4),
+    DequantTile(32, 256, 4),
+    DequantTile(32, 128, 4),
+    DequantTile(64, 256, 8),
+    DequantTile(16, 512, 8),
+    DequantTile(8, 512, 4),
+]
+#: --sweep: bf16_probe tiles (BM, BN, BK, warps, stages) on the compute-bound sweep cases.
+PROBE_TILES = [(256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4)]
 
 
 def skewed(groups: int, m: int, seed: int = 0) -> list[int]:
@@ -151,21 +184,55 @@ def run_case(case: dict, split_name: str, recipes: list[str], device: torch.devi
     return rows
 
 
-def sweep_case(case: dict, device: torch.device) -> list[dict]:
-    """Upcast-kernel configurations on one case (balanced splits), kernel alone."""
+def sweep_case(case: dict, split_name: str, device: torch.device) -> list[dict]:
+    """Upcast-kernel configurations on one case, kernel alone, next to the peer and, on
+    compute-bound cases, the bf16 probe (same schedule, no decode)."""
     g, m, n, k = case["G"], case["M"], case["N"], case["K"]
-    splits = torch.tensor(balanced(g, m), device=device)
+    host_splits = balanced(g, m) if split_name == "balanced" else skewed(g, m)
+    splits = torch.tensor(host_splits, device=device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    lay = layouts.upcast_weight(quantize_mx_weight(torch.randn(g, n, k, device=device), "e2m1"))
+    w = torch.randn(g, n, k, device=device, dtype=torch.bfloat16)
+    wq = quantize_mx_weight(w, "e2m1")
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-    results = []
-    for cfg in SWEEP:
-        decode = case["name"] in DECODE
-        if (cfg.bm >= 128 and decode) or (cfg.bm <= 32 and not decode):
-            continue
-        ms = bench_ms(lambda cfg=cfg: launch.launch_upcast(x, lay, splits, out, g, cfg))
-        results.append({"case": case["name"], "config": str(cfg), "ms": ms, "tflops": 2 * m * n * k / ms / 1e9})
+    flops = 2 * m * n * k
+    ends = splits.cumsum(0).to(torch.int32)
+    peer_ms = bench_ms(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends))
+    results = [{"case": case["name"], "splits": split_name, "kernel": "torch._grouped_mm", "ms": peer_ms}]
+    decode = case["name"] in DECODE
+    for run_major in (True, False):
+        lay = layouts.build_upcast_weight(wq, check_scales=True, run_major=run_major)
+        for cfg in (DECODE_CONFIGS if decode else COMPUTE_CONFIGS)[: None if run_major else 1]:
+            ms = bench_ms(lambda cfg=cfg, lay=lay: launch.launch_upcast(x, lay, splits, out, g, cfg))
+            layout = "run-major" if run_major else "row-major"
+            results.append({"case": case["name"], "splits": split_name, "kernel": f"{cfg} {layout}", "ms": ms})
+        del lay
+    if not decode:
+        for tile in PROBE_TILES:
+            ms = bench_ms(lambda tile=tile: launch_bf16_probe(x, w, splits, out, *tile))
+            results.append({"case": case["name"], "splits": split_name, "kernel": f"bf16_probe{tile}", "ms": ms})
+    for r in results:
+        r["tflops"] = flops / r["ms"] / 1e9
+        r["x_peer"] = peer_ms / r["ms"]
+        print(f"sweep {r['case'][:18]:18s} {split_name[:4]} {r['kernel']:70s} {r['tflops']:6.1f} x{r['x_peer']:.2f}")
     torch.cuda.empty_cache()
+    return results
+
+
+def dequant_sweep(device: torch.device) -> list[dict]:
+    """The activation decode on a 16384 x 7168 bf16 tensor per format and block axis, every
+    tile of DEQUANT_SWEEP; bandwidth = codes and scales read + bf16 written."""
+    x = torch.randn(16384, 7168, device=device, dtype=torch.bfloat16)
+    results = []
+    for fmt in ("e4m3", "e2m1"):
+        for axis in (1, 0):
+            q = quantize_mx(x, fmt, axis=axis)
+            moved = q.data.numel() * q.data.element_size() + q.scale.numel() + 2 * x.numel()
+            for tile in DEQUANT_SWEEP:
+                if (tile.br, tile.bc)[axis] % 32:
+                    continue
+                ms = bench_ms(lambda q=q, tile=tile: launch.dequantize(q, tile=tile))
+                results.append({"fmt": fmt, "axis": axis, "tile": str(tile), "ms": ms, "tb_s": moved / ms / 1e9})
+                print(f"dequant {fmt} axis {axis} {tile} {ms * 1e3:.1f} us {moved / ms / 1e9:.2f} TB/s", flush=True)
     return results
 
 
@@ -208,7 +275,7 @@ def ceilings(device: torch.device) -> dict:
     return {"bf16_tflops": 2 * 8192**3 / mm / 1e9, "copy_gbps": 2 * src.numel() * 2 / cp / 1e6}
 
 
-def markdown(meta: dict, rows: list[dict], sweep: list[dict], stats: list[dict]) -> str:
+def markdown(meta: dict, rows: list[dict], sweep: list[dict], dequant: list[dict], stats: list[dict]) -> str:
     lines = [
         f"Run {meta['date']} on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, "
         f"commit {meta['commit']}); command: `{meta['command']}`. Ceilings measured in the run: "
@@ -225,8 +292,16 @@ def markdown(meta: dict, rows: list[dict], sweep: list[dict], stats: list[dict])
             f"{r['peer_tflops']:.1f} | {r['tflops']:.1f} | {r['ratio']:.2f} | {goal} | {r['sqnr_db']:.0f} |"
         )
     if sweep:
-        lines += ["", "| sweep case | config | ms | TFLOP/s |", "|---|---|---|---|"]
-        lines += [f"| {s['case']} | {s['config']} | {s['ms']:.4f} | {s['tflops']:.1f} |" for s in sweep]
+        lines += ["", "| sweep case | splits | kernel | ms | TFLOP/s | x peer |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"| {s['case']} | {s['splits']} | {s['kernel']} | {s['ms']:.4f} | {s['tflops']:.1f} | {s['x_peer']:.2f} |"
+            for s in sweep
+        ]
+    if dequant:
+        lines += ["", "| decode | axis | tile | us | TB/s |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {d['fmt']} | {d['axis']} | {d['tile']} | {d['ms'] * 1e3:.1f} | {d['tb_s']:.2f} |" for d in dequant
+        ]
     if stats:
         lines += ["", "| kernel | warps | stages | regs | spills | smem | SASS top |", "|---|---|---|---|---|---|---|"]
         lines += [
@@ -244,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", default="balanced,skewed")
     parser.add_argument("--recipes", default="a16w4,a8w4,mxfp4")
     parser.add_argument("--sweep", action="store_true", help="also time upcast configurations")
+    parser.add_argument("--sweep-cases", default=",".join(SWEEP_CASES), help="comma-separated cases to sweep")
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     parser.add_argument(
         "--smoke", action="store_true", help="one tiny case on the CPU (TRITON_INTERPRET=1): checks the script"
@@ -293,16 +369,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
     sweep = []
     if args.sweep and device.type == "cuda":
-        for case in (c for c in json.loads(SHAPES.read_text())["cases"] if c["name"] in SWEEP_CASES):
-            sweep += sweep_case(case, device)
-            print(sweep[-1] if sweep else case["name"], flush=True)
+        wanted_sweep = set(args.sweep_cases.split(","))
+        for case in (
+            c for c in json.loads(SHAPES.read_text())["cases"] if c["name"] in wanted_sweep & set(SWEEP_CASES)
+        ):
+            for split in SWEEP_CASES[case["name"]]:
+                sweep += sweep_case(case, split, device)
+    dequant = dequant_sweep(device) if args.sweep and device.type == "cuda" else []
     stats = kernel_stats() if device.type == "cuda" else []
     (out / "triton_mxfp4.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "sweep": sweep, "stats": stats}, indent=1)
+        json.dumps({"meta": meta, "rows": rows, "sweep": sweep, "dequant": dequant, "stats": stats}, indent=1)
     )
-    (out / "triton_mxfp4.md").write_text(markdown(meta, rows, sweep, stats))
-    for entry in sweep:
-        print(f"sweep {entry['case'][:18]:18s} {entry['config']} {entry['tflops']:.1f}")
+    (out / "triton_mxfp4.md").write_text(markdown(meta, rows, sweep, dequant, stats))
     for entry in stats:
         print(f"kernel {entry['constants']} regs {entry['regs']} spills {entry['spills']}")
     return 0

@@ -73,15 +73,16 @@ def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> Upca
     if interpreted():
         return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
     mean_rows = m / max(groups, 1)
-    if mean_rows <= 16:
+    if mean_rows <= 8:
         return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 32:
+        # 32-row tiles: a skewed split's large groups decode each weight tile half as often.
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
         return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
-    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=3, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
 def launch_upcast(
