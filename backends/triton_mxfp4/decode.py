@@ -12,10 +12,10 @@ which elements they are) and returns eight bf16 tensors, one per nibble position
 - ``e2m1_words_to_bf16`` (portable, and what Triton's CPU interpreter runs): integer ops on
   fp32 bit patterns, then one fp32 multiply by the scale.
 - ``e2m1_words_to_bf16_ptx`` (sm_90): PTX on packed registers. Nibbles i and i + 4 sit 16
-  bits apart, so one ``and`` with 0x000f000f (after a shift by 4i) puts both codes in the
-  two 16-bit lanes of a register; two shifts and one ``lop3`` then place each code's sign
-  at bit 15 and its three magnitude bits at bits 6..8 of its lane. That pattern, read as
-  bf16, is the E2M1 value times 2^-126 (the E2M1 subnormal 0.5 lands on the bf16
+  bits apart, so shifting the word moves both codes alike: one shift puts their three
+  magnitude bits at bits 6..8 of the two 16-bit lanes, another (none for i = 3) their
+  signs at bits 15 and 31, and an ``and`` and a ``lop3`` keep exactly those bits. That
+  pattern, read as bf16, is the E2M1 value times 2^-126 (the E2M1 subnormal 0.5 lands on the bf16
   subnormal 2^-127, exactly), so two ``mul.bf16x2``, by 2^126 and by the block scale,
   give the value, exact for every scale byte: both factors are powers of two that bf16
   represents (2^-127 is a bf16 subnormal) and the products only round where the true
@@ -121,20 +121,21 @@ def e2m1_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
 
 
 def _words_ptx(fold: bool) -> str:
-    """PTX of the word decode: per nibble pair (i, i + 4), isolate both codes in the two
-    16-bit lanes, build the bf16 pattern (value * 2^-126), then multiply by 2^126 (unless
-    folded into the scale) and by the scale."""
-    lines = ["{", ".reg .b32 t, a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
+    """PTX of the word decode: per nibble pair (i, i + 4), shift the word so the two codes'
+    magnitude bits land on bits 6..8 of their 16-bit lanes and, separately, so their sign
+    bits land on bits 15 and 31; mask and merge (``and`` + ``lop3``), which gives the bf16
+    pattern value * 2^-126; then multiply by 2^126 (unless folded into the scale) and by
+    the scale. Nibble pair 3's signs are in place already: 4 integer instructions per pair,
+    3 for the last."""
+    lines = ["{", ".reg .b32 a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
     for i in range(4):
-        source = "$8" if i == 0 else "t"
-        if i:
-            lines.append(f"shr.b32 t, $8, {4 * i};")
-        lines += [
-            f"and.b32 t, {source}, 0x000f000f;",
-            "shl.b32 a, t, 6;",
-            "shl.b32 b, t, 12;",
-            "lop3.b32 v, a, b, 0x81c081c0, 0xa8;",
-        ]
+        magnitude = 6 - 4 * i
+        lines.append(f"shl.b32 a, $8, {magnitude};" if magnitude > 0 else f"shr.b32 a, $8, {-magnitude};")
+        if i < 3:
+            lines += [f"shl.b32 b, $8, {12 - 4 * i};", "and.b32 b, b, 0x80008000;"]
+        else:
+            lines.append("and.b32 b, $8, 0x80008000;")
+        lines.append("lop3.b32 v, a, b, 0x01c001c0, 0xec;")  # (a & c) | b
         if not fold:
             lines.append("mul.rn.bf16x2 v, v, big;")
         lines.append(f"mul.rn.bf16x2 p{i}, v, $9;")
