@@ -9,7 +9,6 @@ the same checks at realistic sizes (``pytest -m gpu``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -223,7 +222,7 @@ def _check_edge_scales(device, ptx, scale_bytes, gen):
 def test_edge_scale_bytes_decode_exactly(gen):
     """Bytes 0 and 1 give bf16 subnormals, which Triton 3.6's interpreter rounds wrongly in
     its own fp32 -> bf16 cast (2^-128 becomes 0); the GPU test covers them."""
-    _check_edge_scales("cpu", 0, [2, 3, 127, 252, 253, 254, 255], gen)
+    _check_edge_scales("cpu", False, [2, 3, 127, 252, 253, 254, 255], gen)
 
 
 @needs_interpreter
@@ -355,11 +354,10 @@ def test_gpu_matches_reference(op, recipe, splits, path, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("placed", [True, False])
 @pytest.mark.parametrize("fold", [True, False])
-def test_gpu_ptx_decode_equals_portable_decode(fold, placed, gen):
-    """Both sm_90 PTX decodes and the portable one give bit-identical GEMM results, with
-    the 2^126 folded into the scale or not."""
+def test_gpu_ptx_decode_equals_portable_decode(fold, gen):
+    """The sm_90 PTX decode and the portable one give bit-identical GEMM results, with the
+    2^126 folded into the scale or not."""
     device = torch.device("cuda")
     splits = gg.skewed_splits(8, 2048)
     x = torch.randn(sum(splits), 1024, generator=gen).to(device, torch.bfloat16)
@@ -367,19 +365,18 @@ def test_gpu_ptx_decode_equals_portable_decode(fold, placed, gen):
     lay = layouts.upcast_weight(w) if fold else layouts.build_upcast_weight(w)
     assert lay.small_scales == fold
     sizes = torch.tensor(splits, device=device)
-    config = dataclasses.replace(launch.upcast_config(x.shape[0], 8, 768, device), placed=placed)
-    fast = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8, config)
+    fast = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8)
     orig = launch.ptx_decode
     try:
         launch.ptx_decode = lambda _device: False
-        slow = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8, config)
+        slow = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], 768, device=device)), 8)
     finally:
         launch.ptx_decode = orig
     assert torch.equal(fast, slow)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ptx", [0, 1, 2])
+@pytest.mark.parametrize("ptx", [True, False])
 def test_gpu_edge_scales_exact(ptx, gen):
     _check_edge_scales("cuda", ptx, [0, 1, 2, 127, 252, 253, 254, 255], gen)
 

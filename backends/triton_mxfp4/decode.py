@@ -12,11 +12,9 @@ which elements they are) and returns eight bf16 tensors, one per nibble position
 - ``e2m1_words_to_bf16`` (portable, and what Triton's CPU interpreter runs): integer ops on
   fp32 bit patterns, then one fp32 multiply by the scale.
 - ``e2m1_words_to_bf16_ptx`` (sm_90): PTX on packed registers. Nibbles i and i + 4 sit 16
-  bits apart, so shifting the word moves both codes alike. Two ways to build, for both
-  codes at once, the bf16 pattern with the sign at bit 15 and the three magnitude bits at
-  bits 6..8 of the lane: isolate the codes first (shift, ``and``) and place sign and
-  magnitude by two shifts and a ``lop3``, or place them straight from the word (one shift
-  each) and keep exactly those bits (``and`` + ``lop3``), a fifth fewer instructions. That
+  bits apart, so shifting the word moves both codes alike: one shift puts their three
+  magnitude bits at bits 6..8 of the two 16-bit lanes, another (none for i = 3) their
+  signs at bits 15 and 31, and an ``and`` and a ``lop3`` keep exactly those bits. That
   pattern, read as bf16, is the E2M1 value times 2^-126 (the E2M1 subnormal 0.5 lands on the bf16
   subnormal 2^-127, exactly), so two ``mul.bf16x2``, by 2^126 and by the block scale,
   give the value, exact for every scale byte: both factors are powers of two that bf16
@@ -122,39 +120,22 @@ def e2m1_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
     )
 
 
-def _pair_isolated(i: int) -> list[str]:
-    """Nibble pair i -> bf16 pattern in ``v``: isolate both codes (shift, ``and``), then two
-    shifts and a ``lop3`` place sign and magnitude (5 integer instructions, 4 for i = 0)."""
-    lines = [f"shr.b32 t, $8, {4 * i};"] if i else []
-    return [
-        *lines,
-        f"and.b32 t, {'t' if i else '$8'}, 0x000f000f;",
-        "shl.b32 a, t, 6;",
-        "shl.b32 b, t, 12;",
-        "lop3.b32 v, a, b, 0x81c081c0, 0xa8;",
-    ]
-
-
-def _pair_placed(i: int) -> list[str]:
-    """Nibble pair i -> bf16 pattern in ``v``: one shift moves the magnitude bits to bits
-    6..8 of both lanes, another the signs to bits 15 and 31 (already there for i = 3); an
-    ``and`` and a ``lop3`` keep those bits (4 integer instructions, 3 for i = 3)."""
-    magnitude = 6 - 4 * i
-    lines = [f"shl.b32 a, $8, {magnitude};" if magnitude > 0 else f"shr.b32 a, $8, {-magnitude};"]
-    if i < 3:
-        lines += [f"shl.b32 b, $8, {12 - 4 * i};", "and.b32 b, b, 0x80008000;"]
-    else:
-        lines.append("and.b32 b, $8, 0x80008000;")
-    return [*lines, "lop3.b32 v, a, b, 0x01c001c0, 0xec;"]  # (a & c) | b
-
-
-def _words_ptx(fold: bool, placed: bool) -> str:
-    """PTX of the word decode: per nibble pair (i, i + 4), the bf16 pattern value * 2^-126
-    (``_pair_placed`` or ``_pair_isolated``), then a multiply by 2^126 (unless folded into
-    the scale) and by the scale."""
-    lines = ["{", ".reg .b32 t, a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
+def _words_ptx(fold: bool) -> str:
+    """PTX of the word decode: per nibble pair (i, i + 4), shift the word so the two codes'
+    magnitude bits land on bits 6..8 of their 16-bit lanes and, separately, so their sign
+    bits land on bits 15 and 31; mask and merge (``and`` + ``lop3``), which gives the bf16
+    pattern value * 2^-126; then multiply by 2^126 (unless folded into the scale) and by
+    the scale. Nibble pair 3's signs are in place already: 4 integer instructions per pair,
+    3 for the last."""
+    lines = ["{", ".reg .b32 a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
     for i in range(4):
-        lines += _pair_placed(i) if placed else _pair_isolated(i)
+        magnitude = 6 - 4 * i
+        lines.append(f"shl.b32 a, $8, {magnitude};" if magnitude > 0 else f"shr.b32 a, $8, {-magnitude};")
+        if i < 3:
+            lines += [f"shl.b32 b, $8, {12 - 4 * i};", "and.b32 b, b, 0x80008000;"]
+        else:
+            lines.append("and.b32 b, $8, 0x80008000;")
+        lines.append("lop3.b32 v, a, b, 0x01c001c0, 0xec;")  # (a & c) | b
         if not fold:
             lines.append("mul.rn.bf16x2 v, v, big;")
         lines.append(f"mul.rn.bf16x2 p{i}, v, $9;")
@@ -162,23 +143,16 @@ def _words_ptx(fold: bool, placed: bool) -> str:
     return "\n".join([*lines, "}"])
 
 
-#: The PTX decode by (FOLD, PLACED).
-WORDS_PTX = tl.constexpr(_words_ptx(fold=False, placed=False))
-WORDS_PTX_FOLDED = tl.constexpr(_words_ptx(fold=True, placed=False))
-WORDS_PTX_PLACED = tl.constexpr(_words_ptx(fold=False, placed=True))
-WORDS_PTX_FOLDED_PLACED = tl.constexpr(_words_ptx(fold=True, placed=True))
+WORDS_PTX = tl.constexpr(_words_ptx(fold=False))
+WORDS_PTX_FOLDED = tl.constexpr(_words_ptx(fold=True))
 
 
 @triton.jit
-def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr, PLACED: tl.constexpr):
-    """sm_90 version of ``e2m1_words_to_bf16`` (see the module docstring); same results.
-    ``PLACED`` picks the shorter pair decode; the kernels choose per tile shape, by
-    measurement (``launch.UpcastConfig.placed``)."""
+def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
+    """sm_90 version of ``e2m1_words_to_bf16`` (see the module docstring); same results."""
     # $0..$7: nibbles 0..7; $8: the word; $9: the multiplier as bf16 in both halves.
     return tl.inline_asm_elementwise(
-        asm=(WORDS_PTX_FOLDED_PLACED if FOLD else WORDS_PTX_PLACED)
-        if PLACED
-        else (WORDS_PTX_FOLDED if FOLD else WORDS_PTX),
+        asm=WORDS_PTX_FOLDED if FOLD else WORDS_PTX,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         args=[words, scale_bits],
         dtype=(tl.bfloat16,) * 8,

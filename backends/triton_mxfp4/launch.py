@@ -58,8 +58,7 @@ def ptx_decode(device: torch.device) -> bool:
 @dataclasses.dataclass(frozen=True)
 class UpcastConfig:
     """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 32-blocks per
-    contraction step (2 or 4), warps, pipeline stages, programs per SM, and which sm_90
-    PTX decode (``placed``: the shorter one; see ``decode.py``)."""
+    contraction step (2 or 4), warps, pipeline stages, programs per SM."""
 
     bm: int
     bn: int
@@ -67,7 +66,6 @@ class UpcastConfig:
     warps: int
     stages: int
     per_sm: int
-    placed: bool = True
 
 
 def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
@@ -84,8 +82,7 @@ def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> Upca
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
         return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
-    # The shorter decode measured 5-13 % slower in this tile on the H200 (placed=False).
-    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1, placed=False)
+    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
 def launch_upcast(
@@ -124,7 +121,7 @@ def launch_upcast(
         MAX_G=max_groups_bucket(groups),
         NUM_PROGS=programs,
         EVEN_K=w.k_red % (32 * cfg.blocks) == 0,
-        PTX=(2 if cfg.placed else 1) if ptx_decode(a.device) else 0,
+        PTX=ptx_decode(a.device),
         FOLD=w.small_scales,
         INTERP=interpreted(),
         num_warps=cfg.warps,

@@ -35,12 +35,10 @@ def _concat_k(a, b):
 @triton.jit
 def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
     """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
-    values in contraction order: nibble j + 4h of word q is element 8j + 2q + h.
-    ``PTX``: 0 the portable decode, 1 the sm_90 PTX one isolating the codes first, 2 the
-    PTX one placing their bits directly (``decode.e2m1_words_to_bf16_ptx``)."""
+    values in contraction order: nibble j + 4h of word q is element 8j + 2q + h."""
     scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD)[:, None]
-    if PTX > 0:
-        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale, FOLD, PTX == 2)
+    if PTX:
+        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale, FOLD)
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale, FOLD)
     hj = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
@@ -72,12 +70,7 @@ def _step(
     and the blocks are concatenated along K; loads, splits and joins all stay in the wgmma
     operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
     BK: tl.constexpr = 32 * BLOCKS
-    # The step's first 32-block in its 128-run, written so the compiler sees its alignment
-    # (0, or 0 / 2 for 64-element steps) and loads each thread's words 16 / 8 bytes wide.
-    if BLOCKS == 4:
-        first = 0
-    else:
-        first = ((k // 64) % 2) * 2
+    first = (k % 128) // 32
     rows: tl.constexpr = w_rows.shape[0]
     cols = (k // 128) * stride_wr + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
     words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
