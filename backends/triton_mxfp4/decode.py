@@ -57,24 +57,16 @@ def e2m1_to_fp32(codes):
 
 @triton.jit
 def e4m3_to_fp32(codes):
-    """E4M3 (OCP, 'fn') bytes -> fp32 values (exact; 0x7F / 0xFF are NaN)."""
+    """E4M3 (OCP, 'fn') bytes -> fp32 values (exact; 0x80 is -0, 0x7F / 0xFF are NaN). The
+    sign is set as a bit, so -0 stays -0. Subnormal codes go through an fp32 multiply of
+    normal numbers (mantissa x 2^-9), never through fp32 subnormals."""
     c = codes.to(tl.uint32)
     exp = (c >> 3) & 15
     mant = c & 7
     normal = ((exp + 120) << 23) | (mant << 20)
     mag = tl.where(exp == 0, mant.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
     mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
-    return tl.where((c & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def mx_to_fp32(codes, scale, FMT: tl.constexpr):
-    """Unpacked MX element codes (uint8) times their block scale bytes -> fp32."""
-    if FMT == "e2m1":
-        v = e2m1_to_fp32(codes)
-    else:
-        v = e4m3_to_fp32(codes)
-    return v * e8m0_to_fp32(scale)
+    return (mag.to(tl.uint32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

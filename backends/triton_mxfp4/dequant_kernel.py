@@ -27,10 +27,7 @@ import dataclasses
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import e2m1_to_fp32, e8m0_to_fp32
-
-#: 2^120: E4M3 bits placed in an fp32 pattern (``_e4m3_to_fp32``) read as value * 2^-120.
-TWO_POW_120 = tl.constexpr(1.329227995784916e36)
+from grouped_gemm.backends.triton_mxfp4.decode import e2m1_to_fp32, e4m3_to_fp32, e8m0_to_fp32
 
 
 @triton.jit
@@ -46,20 +43,7 @@ def _decode(codes, FMT: tl.constexpr, HW_E4M3: tl.constexpr):
         return e2m1_to_fp32(codes)
     if HW_E4M3:
         return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return _e4m3_to_fp32(codes)
-
-
-@triton.jit
-def _e4m3_to_fp32(codes):
-    """E4M3 bytes -> fp32 values (exact, 0x80 is -0, 0x7F / 0xFF are NaN), portable.
-
-    The sign to bit 31 and exponent and mantissa to bits 20..26 make an fp32 pattern worth
-    value * 2^-120, subnormals included (E4M3 exponent 0 lands on fp32 exponent 0); one
-    exact multiply restores the value. (``decode.e4m3_to_fp32`` negates by ``0 - x``,
-    which turns -0 into +0.)"""
-    c = codes.to(tl.uint32)
-    value = (((c & 0x80) << 24) | ((c & 0x7F) << 20)).to(tl.float32, bitcast=True) * TWO_POW_120
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+    return e4m3_to_fp32(codes)
 
 
 @triton.jit
