@@ -13,8 +13,7 @@ import dataclasses
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mxfp4.dequant_kernel import DEQUANT_TILES, DequantTile, column_tiles, dequant_kernel
-from grouped_gemm.backends.triton_mxfp4.dequant_kernel import grid as dequant_grid
+from grouped_gemm.backends.triton_mxfp4.dequant_kernel import DEQUANT_TILES, DequantTile, dequant_kernel
 from grouped_gemm.backends.triton_mxfp4.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mxfp4.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mxfp4.schedule import max_groups_bucket
@@ -222,7 +221,9 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
         raise InvalidArgumentError("tile", tile, f"a multiple of 32 along the block axis (axis {t.axis})")
     if rows and cols:
         data = _u8(t.data)
-        dequant_kernel[dequant_grid(rows, cols, tile)](
+        col_tiles = triton.cdiv(cols, tile.bc)
+        # One program per tile, 1-D: the kernel walks column tiles fastest.
+        dequant_kernel[(triton.cdiv(rows, tile.br) * col_tiles,)](
             data,
             data.stride(0),
             t.scale,
@@ -231,7 +232,7 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
             out.stride(0),
             rows,
             cols,
-            column_tiles(cols, tile),
+            col_tiles,
             AXIS=t.axis,
             FMT=t.fmt,
             HW_E4M3=ptx_decode(t.device),
