@@ -77,7 +77,8 @@ SWEEP_CASES = {
     "qwen3_30b_gateup": ("balanced", "skewed"),
     "mixtral_down": ("balanced",),
 }
-#: --sweep: tiles of the MX -> bf16 activation decode (the first is the default).
+#: --sweep: tiles of the MX -> bf16 activation decode (its defaults, dequant_kernel.DEQUANT_TILES,
+#: are 8 x 512 along axis 1 and 32 x 128 along axis 0).
 DEQUANT_SWEEP = [
     DequantTile(16, 256, 4),
     DequantTile(32, 256, 4),
