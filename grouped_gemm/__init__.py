@@ -25,8 +25,8 @@ from grouped_gemm.api import (
     use_backends,
 )
 from grouped_gemm.autograd import grouped_linear
-from grouped_gemm.backend import Backend, BackendSpec, Reason
 from grouped_gemm.config import Settings, reset_config, settings
+from grouped_gemm.contract import Backend, BackendSpec, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import DeviceInfo, use_device
 from grouped_gemm.dispatch import FallbackWarning

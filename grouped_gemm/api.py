@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from grouped_gemm import config, validation
-from grouped_gemm.backend import BackendLike, BackendSpec, Reason
+from grouped_gemm.contract import BackendLike, BackendSpec, Reason
 from grouped_gemm.decision import Decision
 from grouped_gemm.device import DeviceInfo, device_info
 from grouped_gemm.dispatch import DISPATCHER, check_names, decide

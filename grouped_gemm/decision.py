@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grouped_gemm.backend import Reason
+from grouped_gemm.contract import Reason
 from grouped_gemm.problem import Problem
 
 #: Reason codes that mean "this backend was never meant for this kind of call" (a GPU

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from grouped_gemm import config
-from grouped_gemm.backend import BackendLike, Reason
+from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.eligibility import declared_reasons
 from grouped_gemm.errors import BackendRunError, BackendUnavailableError, UnknownBackendError

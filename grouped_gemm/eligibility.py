@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from grouped_gemm.backend import BackendSpec, Reason
+from grouped_gemm.contract import BackendSpec, Reason
 from grouped_gemm.problem import Problem
 
 

@@ -30,7 +30,7 @@ DEFAULT_PLUGINS = (
     "grouped_gemm.backends.reference",
     "grouped_gemm.backends.torch_grouped_mm",
     "grouped_gemm.backends.multistream",
-    "grouped_gemm.backends.triton_mxfp4",
+    "grouped_gemm.backends.triton_mx",
 )
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import threading
 
-from grouped_gemm.backend import BackendLike, BackendSpec
+from grouped_gemm.contract import BackendLike, BackendSpec
 from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
 from grouped_gemm.plugins import PluginFailure, collect
 

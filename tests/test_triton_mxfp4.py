@@ -15,8 +15,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4 import TritonMxfp4Backend, launch, layouts
-from grouped_gemm.backends.triton_mxfp4.upcast_kernel import _block
+from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, launch, layouts
+from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 
 import grouped_gemm as gg
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError

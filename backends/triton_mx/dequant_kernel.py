@@ -27,7 +27,7 @@ import dataclasses
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import e2m1_to_fp32, e4m3_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e8m0_to_fp32
 
 
 @triton.jit

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import bf16_dot
-from grouped_gemm.backends.triton_mxfp4.scaled_kernel import emulated_dot_scaled
+from grouped_gemm.backends.triton_mx.decode import bf16_dot
+from grouped_gemm.backends.triton_mx.scaled_kernel import emulated_dot_scaled
 
 
 @triton.jit

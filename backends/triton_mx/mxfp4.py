@@ -8,7 +8,7 @@ upcast kernel, weights decoded to bf16 in registers, MX activations decoded to b
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mxfp4 import launch, layouts, operands
+from grouped_gemm.backends.triton_mx import launch, layouts, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
 from grouped_gemm.mx import MXTensor

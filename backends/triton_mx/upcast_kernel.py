@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mxfp4.decode import (
+from grouped_gemm.backends.triton_mx.decode import (
     bf16_dot,
     e2m1_words_to_bf16,
     e2m1_words_to_bf16_ptx,
     e8m0_to_bf16x2,
 )
-from grouped_gemm.backends.triton_mxfp4.schedule import group_table, locate
+from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
 
 @triton.jit

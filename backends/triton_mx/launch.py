@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mxfp4.dequant_kernel import DEQUANT_TILES, DequantTile, dequant_kernel
-from grouped_gemm.backends.triton_mxfp4.layouts import UpcastWeight
-from grouped_gemm.backends.triton_mxfp4.scaled_kernel import block_k_for, scaled_grouped_kernel
-from grouped_gemm.backends.triton_mxfp4.schedule import max_groups_bucket
-from grouped_gemm.backends.triton_mxfp4.upcast_kernel import upcast_grouped_kernel
-from grouped_gemm.backends.triton_mxfp4.wgrad_kernel import wgrad_grouped_kernel
+from grouped_gemm.backends.triton_mx.dequant_kernel import DEQUANT_TILES, DequantTile, dequant_kernel
+from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
+from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
+from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
+from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
+from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm.errors import InvalidArgumentError

@@ -1,0 +1,20 @@
+"""Built-in Triton MX backends: persistent Triton grouped GEMMs on MX-quantized operands.
+
+One kernel package (tile schedule, weight layouts, decoders, launches) serves every
+backend it registers: ``triton_mxfp4`` (MXFP4 weights: the mxfp4, a8w4 and a16w4
+recipes). ``tl.dot_scaled`` where the chip has MX MMA, a register-upcast kernel on Hopper,
+Triton's interpreter on the CPU. See docs/triton_mxfp4.md.
+"""
+
+from __future__ import annotations
+
+from grouped_gemm.backends.triton_mx.mxfp4 import TritonMxfp4Backend
+
+from grouped_gemm import hookimpl
+
+__all__ = ["TritonMxfp4Backend"]
+
+
+@hookimpl
+def grouped_gemm_backends() -> list[TritonMxfp4Backend]:
+    return [TritonMxfp4Backend()]
