@@ -1,0 +1,107 @@
+"""Host time per grouped-GEMM call on a GPU host, against ``torch._grouped_mm`` called directly.
+
+A tiny problem (G=8, 8 rows per group, N=K=256, bf16) keeps the GPU ahead of the host, so
+the wall time of a long run of calls, synchronized once at the end, is the host's cost per
+call. Each variant is timed in blocks taken in turn over several rounds (median of the
+rounds), and one call of each is run under the profiler to count the kernels it launches.
+
+    python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import grouped_gemm as gg
+
+G, ROWS, N, K = 8, 8, 256, 256
+
+
+def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
+    """Every call variant, each a closure over its own prepared operands."""
+    m = G * ROWS
+    x = torch.randn(m, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=device, dtype=torch.bfloat16) / K**0.5
+    host = [ROWS] * G
+    dev64 = torch.tensor(host, device=device, dtype=torch.int64)
+    dev32 = dev64.to(torch.int32)
+    offs = torch.cumsum(dev32, 0, dtype=torch.int32)
+    wt = w.transpose(-2, -1)
+    w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
+    peer = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    variants: dict[str, Callable[[], object]] = {
+        "torch._grouped_mm, int32 offsets": lambda: peer(x, wt, offs=offs),
+        "gg bf16, host splits": lambda: gg.grouped_gemm(x, w, host),
+        "gg bf16, int64 device splits": lambda: gg.grouped_gemm(x, w, dev64),
+        "gg bf16, int32 device splits": lambda: gg.grouped_gemm(x, w, dev32),
+        "gg a16w4 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="a16w4"),
+        "gg a16w4 (bf16 w), device splits": lambda: gg.grouped_gemm(x, w, dev32, recipe="a16w4"),
+        "gg bf16 multistream, host splits": lambda: gg.grouped_gemm(x, w, host, backend="multistream"),
+    }
+    return variants
+
+
+def _host_us(fn: Callable[[], object], calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _kernels(fn: Callable[[], object]) -> int:
+    """Device kernels (and memcpys) one call launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    variants = _variants(device)
+    runnable = {}
+    for name, fn in variants.items():
+        try:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            runnable[name] = fn
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is reported, not fatal
+            print(f"skipped {name}: {type(exc).__name__}: {exc}")
+    samples: dict[str, list[float]] = {name: [] for name in runnable}
+    for r in range(args.rounds):
+        names = list(runnable)
+        names = names[r % len(names) :] + names[: r % len(names)]
+        for name in names:
+            samples[name].append(_host_us(runnable[name], args.calls))
+    rows = []
+    for name, fn in runnable.items():
+        rows.append({"variant": name, "host_us": statistics.median(samples[name]), "kernels": _kernels(fn)})
+    base = rows[0]["host_us"]
+    props = torch.cuda.get_device_properties(device)
+    meta = {"device": props.name, "torch": torch.__version__, "grouped_gemm": gg.__version__}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"{meta}  G={G} rows/group={ROWS} N={N} K={K} bf16, {args.calls} calls x {args.rounds} rounds")
+    print(f"{'variant':<40}{'host us/call':>14}{'vs bare':>10}{'kernels':>9}")
+    for row in rows:
+        print(f"{row['variant']:<40}{row['host_us']:>14.1f}{row['host_us'] - base:>+10.1f}{row['kernels']:>9}")
+
+
+if __name__ == "__main__":
+    main()
