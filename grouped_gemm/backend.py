@@ -49,7 +49,7 @@ _BATCH_SIZES = "a 1-D int64 tensor on the CPU or on a's device (int32 and a list
 #: token permutation and Sinkhorn kernels, which this library does not provide.
 PERMUTE_NAMES = {
     "backend": ("permute", "unpermute", "unpermute_bwd", "sinkhorn"),
-    "ops": ("permute", "unpermute", "sinkhorn_kernel"),
+    "ops": ("permute", "unpermute", "sinkhorn_kernel", "PermuteMoE_topK", "UnpermuteMoE_topK"),
 }
 
 
