@@ -14,7 +14,10 @@ A second table, per case, times weight preparation on the forward problem with a
 call (bf16 activations, E2M1 weights): ``gg.quantize_mx_weight`` alone; the call with a
 cached pre-quantized MXTensor; the same call with the bf16 weights (quantized inside the
 call); and ``torch._grouped_mm`` in bf16. The issue's goal is ``fresh <= cached + 1.5 x
-quantize``; the ``prep / quantize`` column is ``(fresh - cached) / quantize``.
+quantize``; the ``prep / quantize`` column is ``(fresh - cached) / quantize``. The
+``fused prep`` columns time triton_mxfp4's quantize-and-lay-out kernel alone, for fwd
+(blocks along K) and dgrad (along N); ``--prep-sweep`` times it for every tile of
+``PREP_TILES`` too (in the JSON).
 
     python benchmarks/train_step.py [--quick] [--graphs] [--out DIR]
 
@@ -41,6 +44,11 @@ import triton
 import grouped_gemm as gg
 from grouped_gemm.bench.shapes import Case, select_cases
 
+try:  # the built-in Triton backends' weight layouts (for the fused-prep columns)
+    from grouped_gemm.backends.triton_mx import layouts
+except ImportError:
+    layouts = None
+
 CASES = "dsv3_gateup_ep8,qwen3_30b_gateup,gptoss120b_gateup"
 RECIPES = ("bf16", "mxfp4", "a16w4", "a8w4", "mxfp8")
 LR = 1e-4
@@ -56,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of the captured step")
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps, shorter weight-prep timing")
     p.add_argument("--no-prep", action="store_true", help="skip the weight-preparation table")
+    p.add_argument(
+        "--prep-sweep", action="store_true", help="also time every tile of the fused prep kernel (sm_90 upcast path)"
+    )
     p.add_argument("--out", type=Path, help="directory for train_step.json")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 5)
@@ -194,9 +205,26 @@ def weight_prep(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         except (gg.GroupedGemmError, RuntimeError) as exc:
             row[name] = None
             row[f"{name} error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    for op in ("fwd", "dgrad"):
+        row[f"fused prep {op}"] = _fused_prep_ms(w, op, None, args.quick)
+        if args.prep_sweep:
+            row[f"fused prep {op} sweep"] = {
+                f"{rows}x{warps}": _fused_prep_ms(w, op, (rows, warps), args.quick) for rows, warps in PREP_TILES
+            }
     q, cached, fresh = row["quantize_mx_weight"], row["a16w4 cached MXTensor"], row["a16w4 fresh bf16"]
     row["prep / quantize"] = (fresh - cached) / q if None not in (q, cached, fresh) else None
     return row
+
+
+#: (layout rows per program, warps) tried by ``--prep-sweep``.
+PREP_TILES = [(rows, warps) for rows in (16, 32, 64, 128) for warps in (2, 4, 8)]
+
+
+def _fused_prep_ms(w: torch.Tensor, op: str, tile: tuple[int, int] | None, quick: bool) -> float | None:
+    """The triton_mxfp4 fused quantize-and-layout kernel alone (None where it cannot run)."""
+    if layouts is None:
+        return None
+    return bench_ms(lambda: layouts.quantize_upcast_weight(w, op, "rceil", tile=tile), quick)
 
 
 def _cell(value: Any, digits: int = 2) -> str:
@@ -213,7 +241,14 @@ def step_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-PREP_COLUMNS = ("torch._grouped_mm bf16", "quantize_mx_weight", "a16w4 cached MXTensor", "a16w4 fresh bf16")
+PREP_COLUMNS = (
+    "torch._grouped_mm bf16",
+    "quantize_mx_weight",
+    "fused prep fwd",
+    "fused prep dgrad",
+    "a16w4 cached MXTensor",
+    "a16w4 fresh bf16",
+)
 
 
 def prep_table(rows: list[dict[str, Any]]) -> str:
@@ -223,6 +258,21 @@ def prep_table(rows: list[dict[str, Any]]) -> str:
         cells = " | ".join(_cell(r.get(c), 3) for c in PREP_COLUMNS)
         lines.append(f"| {r['case']} | {cells} | {_cell(r['prep / quantize'])} |")
     return "\n".join(lines)
+
+
+def sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``--prep-sweep``: the fastest tile per case and op against the default."""
+    lines = []
+    for r in rows:
+        for op in ("fwd", "dgrad"):
+            sweep = r.get(f"fused prep {op} sweep")
+            if sweep:
+                best = min(sweep, key=sweep.get)
+                lines.append(
+                    f"fused prep {op} on {r['case']}: fastest tile {best} {sweep[best]:.3f} ms; "
+                    f"default {_cell(r[f'fused prep {op}'], 3)} ms"
+                )
+    return lines
 
 
 def short_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -274,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if preps:
         print()
         print(prep_table(preps))
+        for line in sweep_lines(preps):
+            print(line)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         doc = {

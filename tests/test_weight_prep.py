@@ -102,6 +102,8 @@ def test_fused_quantize_layout_equals_quantizer_then_layout(shape, op, poisoned_
         assert not lay.small_scales
         assert torch.equal(lay.data, data), (dtype, rule)
         assert torch.equal(lay.scales, scales), (dtype, rule)
+    small_tile = layouts.quantize_upcast_weight(w, op, rule, tile=(16, 2))  # another tile, same layout
+    assert torch.equal(small_tile.data, data) and torch.equal(small_tile.scales, scales)
 
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])

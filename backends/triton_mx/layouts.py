@@ -77,14 +77,16 @@ def _empty_layout(groups: int, rows: int, k_red: int, device: torch.device, run_
     return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)
 
 
-#: Layout rows per program of the layout kernels: a 64 x 128 tile on 4 warps.
-ROWS_PER_PROGRAM = 64
+#: Layout rows per program and warps of the layout kernels: a 64 x 128 tile on 4 warps
+#: (not yet tuned on a GPU: ``benchmarks/train_step.py --prep-sweep`` times the others).
+DEFAULT_TILE = (64, 4)
 
 
-def _grid_and_strides(lay: UpcastWeight, groups: int) -> tuple[tuple[int], int, tuple[int, ...]]:
-    """Grid (one program per group, row tile and 128-run), row tiles, layout strides."""
+def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
+    """Grid (one program per group, tile of ``rows`` layout rows and 128-run), row tiles,
+    layout strides."""
     runs = lay.k_padded // K_ALIGN
-    row_tiles = triton.cdiv(lay.rows, ROWS_PER_PROGRAM)
+    row_tiles = triton.cdiv(lay.rows, rows)
     strides = (lay.data.stride(0), lay.data.stride(1), lay.data.stride(2), lay.scales.stride(0), lay.scales.stride(1))
     return (groups * row_tiles * runs,), row_tiles, strides
 
@@ -98,7 +100,8 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
     rows = mx.shape[1] if fwd else mx.shape[2]
     lay = _empty_layout(groups, rows, mx.shape[mx.axis], mx.device, run_major)
     if lay.data.numel():
-        grid, row_tiles, strides = _grid_and_strides(lay, groups)
+        rows_per, warps = DEFAULT_TILE
+        grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         codes, scale = mx.data, mx.scale
         # (row, contraction) strides of the packed codes and of the scale bytes.
         code_strides = (codes.stride(1), codes.stride(2)) if fwd else (codes.stride(2), codes.stride(1))
@@ -117,24 +120,29 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
             scale.stride(0),
             *scale_strides,
             *strides,
-            ROWS=ROWS_PER_PROGRAM,
-            num_warps=4,
+            ROWS=rows_per,
+            num_warps=warps,
         )
     small = check_scales and not _capturing(mx.device) and bool((mx.scale <= 128).all())
     return dataclasses.replace(lay, small_scales=small)
 
 
-def quantize_upcast_weight(w: torch.Tensor, op: str, scale_rule: str, run_major: bool = True) -> UpcastWeight:
+def quantize_upcast_weight(
+    w: torch.Tensor, op: str, scale_rule: str, run_major: bool = True, *, tile: tuple[int, int] | None = None
+) -> UpcastWeight:
     """A (G, N, K) bf16 / fp16 / fp32 weight quantized to E2M1 for ``op`` (fwd: blocks along
     K; dgrad: along N) and laid out, in one pass; bit-identical to
     ``build_upcast_weight(quantize_mx_weight(w, "e2m1", op=op, scale_rule=scale_rule))``.
-    The contraction must be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``)."""
+    The contraction must be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``).
+    ``tile`` (layout rows per program, a power of two; warps) overrides ``DEFAULT_TILE``
+    (benchmarks)."""
     groups, n, k = w.shape
     fwd = op == "fwd"
     lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major)
     if lay.data.numel():
         x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
-        grid, row_tiles, strides = _grid_and_strides(lay, groups)
+        rows_per, warps = tile or DEFAULT_TILE
+        grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
         weight_prep_kernel.quantize_upcast_kernel[grid](
             x,
@@ -147,8 +155,8 @@ def quantize_upcast_weight(w: torch.Tensor, op: str, scale_rule: str, run_major:
             x.stride(0),
             *weight_strides,
             *strides,
-            ROWS=ROWS_PER_PROGRAM,
-            num_warps=4,
+            ROWS=rows_per,
+            num_warps=warps,
             **_e2m1_args(x, scale_rule),
         )
     return lay
