@@ -1,6 +1,8 @@
 """Operands per recipe: quantize high-precision inputs with ``gg.quantize_mx``, or check
 pre-quantized ``MXTensor`` operands, so the kernels always see MX data blocked along the
-contraction (fwd / dgrad) or along the tokens (wgrad).
+contraction (fwd / dgrad) or along the tokens (wgrad). The Hopper upcast path takes its
+weight in its own layout (``upcast_weight``): high-precision weights are quantized
+straight into it, with no ``MXTensor`` in between.
 
 Which format goes where (DESIGN section 2, recipes.py):
 
