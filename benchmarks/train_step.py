@@ -146,10 +146,10 @@ def timed_ms(fn: Callable[[], None], calls: int) -> float:
 
 def train_steps(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median step time per recipe on one case, recipes interleaved in rounds."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator("cuda").manual_seed(0)  # on the GPU: a CPU randn of these takes seconds
     splits = case.splits(args.splits)
-    x = torch.randn(case.m, case.k, generator=gen).bfloat16().cuda()
-    dy = (torch.randn(case.m, case.n, generator=gen) * 1e-2).bfloat16().cuda()
+    x = torch.randn(case.m, case.k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(case.m, case.n, generator=gen, device="cuda", dtype=torch.bfloat16) * 1e-2
     device_splits = torch.tensor(splits, device="cuda")
     trainers = [Trainer(r, case, x, dy, device_splits) for r in args.recipes]
     for t in trainers:
@@ -185,10 +185,10 @@ def bench_ms(fn: Callable[[], Any], quick: bool) -> float:
 
 def weight_prep(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """a16w4 forward: quantize alone, cached MXTensor, fresh bf16 weights, bf16 peer."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator("cuda").manual_seed(1)
     splits = case.splits(args.splits)
-    x = torch.randn(case.m, case.k, generator=gen).bfloat16().cuda()
-    w = torch.randn(case.groups, case.n, case.k, generator=gen).bfloat16().cuda()
+    x = torch.randn(case.m, case.k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(case.groups, case.n, case.k, generator=gen, device="cuda", dtype=torch.bfloat16)
     device_splits = torch.tensor(splits, device="cuda")
     offs = torch.cumsum(device_splits, 0, dtype=torch.int32)
     w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
