@@ -4,8 +4,8 @@ Two routes share the helpers in ``linear_math``:
 
 - ``GroupedLinearFunction`` (eager): a ``torch.autograd.Function`` that can hold what a
   custom op cannot carry: the weight parameters themselves (for ``main_grad`` and
-  Megatron's ``grad_added_to_main_grad`` flag), a caller's ``out`` buffer, and cached
-  MX-quantized weights.
+  Megatron's ``grad_added_to_main_grad`` flag), a caller's ``out`` buffer, and a
+  ``GroupedLinear``'s explicitly frozen MX weights.
 - ``torch.ops.grouped_gemm.*`` (compiled, in ``custom_ops``): ``torch.library`` custom ops with fake
   implementations, so Dynamo sees output shapes without running anything, and with
   autograd registered in terms of each other (fwd <-> dgrad <-> wgrad), so backward and
@@ -14,13 +14,21 @@ Two routes share the helpers in ``linear_math``:
 Both call ``gg.grouped_gemm`` / ``grouped_gemm_dgrad`` / ``grouped_gemm_wgrad`` on the real
 tensors at run time, so every call (forward, dgrad, wgrad) is dispatched for its own
 problem with the recipe's formats. ``grouped_linear`` picks the route.
+
+MX recipes quantize the master weights inside every call: the forward GEMM quantizes them
+blocked along K, dgrad quantizes the *saved* weight blocked along N. So a CUDA graph that
+captures a step re-quantizes on replay, and dgrad's copy is always the weight the forward
+saw (autograd's saved-tensor version check refuses a weight modified in between).
+Quantizing for dgrad in backward rather than in forward costs the same one pass over the
+weight, keeps no quantized copy alive from forward to backward, and costs nothing in
+forwards that need no gradient.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +49,7 @@ from grouped_gemm.linear_math import (
     weight_grads,
     weight_operand,
 )
+from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipes import Recipe
 
 
@@ -48,14 +57,20 @@ from grouped_gemm.recipes import Recipe
 class LinearPlan:
     """What ``GroupedLinearFunction`` needs besides tensors.
 
-    ``weight_for(op)`` returns the weight operand for ``"fwd"`` or ``"dgrad"``: the
-    parameters themselves, or a cached MX-quantized copy (see ``GroupedLinear``).
+    ``frozen`` maps ``"fwd"`` / ``"dgrad"`` to weights quantized ahead of time by
+    ``GroupedLinear.freeze_quantized_weights`` (an explicit opt-in); an op not in it gets
+    the parameters themselves, quantized by the backend inside the call.
     """
 
     m_splits: Splits
     recipe: Recipe
     fuse_wgrad_accumulation: bool = False
-    weight_for: Callable[[str], Any] | None = None
+    frozen: Mapping[str, MXTensor] = dataclasses.field(default_factory=dict)
+
+    def weight(self, op: str, weights: Sequence[torch.Tensor]) -> Weights | MXTensor:
+        """The weight operand of ``op``: the frozen copy if there is one, else the parameters."""
+        frozen = self.frozen.get(op)
+        return frozen if frozen is not None else weight_operand(weights)
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -75,8 +90,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         plan: LinearPlan,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
-        w = plan.weight_for("fwd") if plan.weight_for else weight_operand(weights)
-        y = forward_gemm(x, w, bias, plan.m_splits, plan.recipe, out=out)
+        y = forward_gemm(x, plan.weight("fwd", weights), bias, plan.m_splits, plan.recipe, out=out)
         if out is not None:
             ctx.mark_dirty(out)
         ctx.save_for_backward(x, *weights)
@@ -103,8 +117,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         dx = dbias = None
         dws: list[torch.Tensor | None] = [None] * len(weights)
         if need_x:
-            w = plan.weight_for("dgrad") if plan.weight_for else weight_operand(weights)
-            dx = api.grouped_gemm_dgrad(dy, w, plan.m_splits, recipe=plan.recipe)
+            dx = api.grouped_gemm_dgrad(dy, plan.weight("dgrad", weights), plan.m_splits, recipe=plan.recipe)
         if plan.fuse_wgrad_accumulation and need_w:
             bufs = main_grads(ctx.params)
             target = bufs[0] if len(bufs) == 1 and bufs[0].dim() == 3 else bufs
@@ -126,7 +139,6 @@ def grouped_linear(
     recipe: str | Recipe | None = None,
     out: torch.Tensor | None = None,
     fuse_wgrad_accumulation: bool = False,
-    weight_for: Callable[[str], Any] | None = None,
 ) -> torch.Tensor:
     """Differentiable grouped linear layer: ``y[rows of g] = x[rows of g] @ w[g].T + bias[g]``.
 
@@ -134,8 +146,23 @@ def grouped_linear(
     ``fuse_wgrad_accumulation`` adds the weight gradient into each weight's ``main_grad``
     (see ``fused_grad_placeholder`` for what ``.grad`` receives). Eager calls run
     ``GroupedLinearFunction``; under ``torch.compile`` the ``grouped_gemm::fwd`` op, where
-    ``out`` is filled by a copy and ``weight_for`` (cached quantized weights) is not used.
+    ``out`` is filled by a copy. MX recipes quantize ``weight`` inside every call.
     """
+    return run_grouped_linear(x, weight, m_splits, bias, recipe, out, fuse_wgrad_accumulation)
+
+
+def run_grouped_linear(
+    x: torch.Tensor,
+    weight: Weights,
+    m_splits: Any,
+    bias: torch.Tensor | None,
+    recipe: str | Recipe | None,
+    out: torch.Tensor | None,
+    fuse_wgrad_accumulation: bool,
+    frozen: Mapping[str, MXTensor] | None = None,
+) -> torch.Tensor:
+    """``grouped_linear``, plus ``GroupedLinear``'s frozen MX weights (eager only; the
+    compiled op always quantizes the parameters it is given)."""
     key = op_recipe(recipe, x)
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     if out is not None and out.requires_grad:
@@ -147,5 +174,5 @@ def grouped_linear(
         return out.copy_(y) if out is not None else y
     if fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         main_grads(weights)
-    plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, weight_for)
+    plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, frozen or {})
     return GroupedLinearFunction.apply(x, bias, out, plan, *weights)

@@ -7,15 +7,15 @@ dispatcher (see ``grouped_gemm.autograd``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from grouped_gemm.autograd import grouped_linear
+from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
-from grouped_gemm.linear_math import recipe_key, weight_operand
+from grouped_gemm.linear_math import recipe_key
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.validation import dtype_name
@@ -50,45 +50,18 @@ def _param_dtype(recipe: Recipe, dtype: torch.dtype | None) -> torch.dtype:
     return dtype
 
 
-class QuantizedWeightCache:
-    """MX copies of a layer's weights for an MX recipe, made once per weight version.
+@dataclasses.dataclass(frozen=True)
+class FrozenWeights:
+    """MX copies of a layer's weights made by ``freeze_quantized_weights``, and what the
+    weights were when they were made (to refuse a forward once they changed)."""
 
-    The forward pass needs the weight blocked along K and dgrad along N (two different
-    tensors, see ``gg.quantize_mx_weight``); each is made on first use and reused until a
-    weight changes. A weight counts as changed when its autograd version counter
-    (``_version``: bumped by every in-place update, e.g. ``optimizer.step()`` or
-    ``copy_`` under ``no_grad``), its storage (``.data = ...``, ``.to(...)``) or its
-    identity changes. Writes through ``.data`` (``w.data.copy_(...)``) bypass the version
-    counter: call ``GroupedLinear.refresh_quantized_weights()`` after them.
-    """
+    quantized: dict[str, MXTensor]
+    stamp: tuple[tuple[int, int, int], ...]
 
-    def __init__(self, recipe: Recipe) -> None:
-        self.recipe = recipe
-        self._entries: dict[str, tuple[tuple, MXTensor]] = {}
-        self.quantizations = 0
 
-    def get(self, weights: list[torch.Tensor], op: str) -> MXTensor:
-        """The weights quantized for ``op`` (``"fwd"`` or ``"dgrad"``)."""
-        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
-        hit = self._entries.get(op)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        with torch.no_grad():
-            w = weights[0].detach() if len(weights) == 1 else [t.detach() for t in weights]
-            q = quantize_mx_weight(
-                w,
-                self.recipe.weight_format,
-                op=op,
-                scale_rule=self.recipe.scale_rule,
-                block_size=self.recipe.block_size,
-            )
-        self._entries[op] = (key, q)
-        self.quantizations += 1
-        return q
-
-    def clear(self) -> None:
-        """Forget every quantized copy (the next use quantizes again)."""
-        self._entries.clear()
+def _stamp(weights: list[torch.nn.Parameter]) -> tuple[tuple[int, int, int], ...]:
+    """Identity, storage and in-place version of each weight."""
+    return tuple((id(w), w.data_ptr(), w._version) for w in weights)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -107,10 +80,10 @@ class GroupedLinear(torch.nn.Module):
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
     ``grouped_gemm.linear_math.fused_grad_placeholder``).
 
-    With an MX recipe the weights are quantized once per weight version and the quantized
-    copies reused across forwards (``QuantizedWeightCache``) when their contraction
-    dimension is a whole number of MX blocks; otherwise the backend quantizes per call.
-    Under ``torch.compile`` the compiled op quantizes per call.
+    With an MX recipe every call quantizes the master weights (forward along K, dgrad along
+    N from the weight saved by forward), so optimizer updates are always seen, also when a
+    CUDA graph replays the step. For inference with weights that do not change,
+    ``freeze_quantized_weights()`` quantizes once, explicitly.
     """
 
     def __init__(
@@ -147,7 +120,7 @@ class GroupedLinear(torch.nn.Module):
             bias_param = torch.nn.Parameter(torch.empty(g, n, **factory)) if bias else None
             self.register_parameter("bias", bias_param)
         self.reset_parameters()
-        self._quantized = QuantizedWeightCache(self._recipe) if self._recipe.is_mx else None
+        self._frozen: FrozenWeights | None = None
 
     @property
     def recipe(self) -> Recipe:
@@ -177,24 +150,79 @@ class GroupedLinear(torch.nn.Module):
             for p in self.weights + self.biases:
                 p.uniform_(-bound, bound)
 
-    def refresh_quantized_weights(self) -> None:
-        """Drop the cached MX weights; call after writing weights through ``.data``."""
-        if self._quantized is not None:
-            self._quantized.clear()
+    def freeze_quantized_weights(self, *, backward: bool = False) -> None:
+        """Quantize the MX weights once, now, and use that copy in every later forward
+        (inference with fixed weights: no per-call quantization).
 
-    def _weight_for(self) -> Callable[[str], Any] | None:
-        """The cached-quantized-weight provider for the eager route, when it applies."""
-        cache = self._quantized
-        if cache is None:
-            return None
-        block = self._recipe.block_size
-        whole = {"fwd": self.in_features % block == 0, "dgrad": self.out_features % block == 0}
+        Updates are not seen until this is called again: a forward refuses to run when a
+        weight changed in place or was replaced since (``_version`` / storage / identity;
+        writes through ``.data`` escape that check, and a CUDA graph replay runs no Python
+        check at all), and refuses to run while the weights require grad under grad mode
+        (an optimizer would make the copy stale). ``backward=True`` also quantizes dgrad's
+        copy (blocks along N), for gradients to the input through frozen weights; it costs
+        as much memory again. Needs whole MX blocks along ``in_features`` (and along
+        ``out_features`` for ``backward``). Under ``torch.compile`` the compiled op
+        quantizes the current weights per call instead (same quantizer, same numbers).
+        """
+        recipe = self._recipe
+        if not recipe.is_mx:
+            raise InvalidArgumentError("recipe", recipe.name, "an MX recipe (plain recipes have nothing to quantize)")
+        _flag("backward", backward)
+        ops = {"fwd": ("in_features", self.in_features)}
+        if backward:
+            ops["dgrad"] = ("out_features", self.out_features)
+        for name, size in ops.values():
+            if size % recipe.block_size:
+                raise InvalidArgumentError(
+                    name, size, f"a multiple of the MX block size {recipe.block_size} to freeze quantized weights"
+                )
         weights = self.weights
+        with torch.no_grad():
+            w = weights[0].detach() if not self.separate_weights else [p.detach() for p in weights]
+            quantized = {
+                op: quantize_mx_weight(
+                    w, recipe.weight_format, op=op, scale_rule=recipe.scale_rule, block_size=recipe.block_size
+                )
+                for op in ops
+            }
+        self._frozen = FrozenWeights(quantized, _stamp(weights))
 
-        def weight_for(op: str) -> Any:
-            return cache.get(weights, op) if whole[op] else weight_operand(weights)
+    def unfreeze_quantized_weights(self) -> None:
+        """Drop the frozen copy: forwards quantize the current weights per call again."""
+        self._frozen = None
 
-        return weight_for
+    @property
+    def frozen(self) -> bool:
+        """Whether ``freeze_quantized_weights`` is in force."""
+        return self._frozen is not None
+
+    def _frozen_for(self, x: torch.Tensor) -> dict[str, MXTensor] | None:
+        """The frozen copies for this forward, after checking they are still valid."""
+        frozen = self._frozen
+        if frozen is None or torch.compiler.is_compiling():
+            return None
+        weights = self.weights
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            raise InvalidArgumentError(
+                "weight",
+                "requires_grad=True with frozen quantized weights",
+                "frozen weights must not train (an update would leave the quantized copy stale): "
+                "call unfreeze_quantized_weights(), run under torch.no_grad(), or requires_grad_(False)",
+            )
+        if _stamp(weights) != frozen.stamp:
+            raise InvalidArgumentError(
+                "weight",
+                "changed since freeze_quantized_weights()",
+                "the weights the frozen copy was made from: call freeze_quantized_weights() again "
+                "(or unfreeze_quantized_weights())",
+            )
+        if torch.is_grad_enabled() and x.requires_grad and "dgrad" not in frozen.quantized:
+            raise InvalidArgumentError(
+                "x",
+                "requires_grad=True with frozen quantized weights",
+                "an input that needs no gradient, or freeze_quantized_weights(backward=True) for dgrad's copy",
+            )
+        return frozen.quantized
 
     def forward(self, x: torch.Tensor, m_splits: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(M, in_features)``, rows grouped by ``m_splits`` (G ints or a 1-D integer
@@ -204,21 +232,16 @@ class GroupedLinear(torch.nn.Module):
         if self.use_bias:
             bias = self.bias if not self.separate_weights else torch.stack(self.biases)
         weight = self.weights if self.separate_weights else self.weight
-        return grouped_linear(
-            x,
-            weight,
-            m_splits,
-            bias,
-            recipe=self._recipe_key,
-            out=out,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            weight_for=None if torch.compiler.is_compiling() else self._weight_for(),
+        frozen = self._frozen_for(x)
+        return run_grouped_linear(
+            x, weight, m_splits, bias, self._recipe_key, out, self.fuse_wgrad_accumulation, frozen
         )
 
     def extra_repr(self) -> str:
         dtype = dtype_name(self.weights[0].dtype)
         extra = ", separate_weights=True" if self.separate_weights else ""
         extra += ", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else ""
+        extra += ", frozen_quantized_weights=True" if self.frozen else ""
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.use_bias}, recipe={self.recipe.name}, dtype={dtype}{extra}"

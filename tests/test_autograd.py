@@ -407,25 +407,31 @@ def test_mx_recipes_meet_their_sqnr_floors(recipe):
     assert not layer.weight.grad[3].any()
 
 
-def test_mx_backward_uses_the_grad_format_and_cached_weights(spy):
-    """dgrad and wgrad are dispatched with the recipe's gradient format; fwd and dgrad
-    get the layer's cached quantized weights (blocked along K, then along N)."""
+def test_mx_backward_uses_the_grad_format_and_quantizes_weights_per_call(spy):
+    """dgrad and wgrad are dispatched with the recipe's gradient format; fwd and dgrad get
+    the master weights (the backend quantizes them inside the call), unless the layer's
+    weights were explicitly frozen (then the frozen copies, blocked along K and along N)."""
     recipe = gg.get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})
     layer = gg.GroupedLinear(2, 64, 32, recipe=recipe)
     x = torch.randn(64, 64).bfloat16().requires_grad_()
     layer(x, [32, 32]).backward(torch.randn(64, 32).bfloat16())
     assert [(p.op, p.recipe, p.grad_format, p.b_format) for p in spy.problems] == [
-        ("fwd", "mxfp8", "e5m2", "mx_e4m3"),
-        ("dgrad", "mxfp8", "e5m2", "mx_e4m3"),
+        ("fwd", "mxfp8", "e5m2", "bfloat16"),
+        ("dgrad", "mxfp8", "e5m2", "bfloat16"),
         ("wgrad", "mxfp8", "e5m2", "bfloat16"),
     ]
+    spy.problems.clear()
+    layer.requires_grad_(False)
+    layer.freeze_quantized_weights(backward=True)
+    layer(x, [32, 32]).backward(torch.randn(64, 32).bfloat16())
+    assert [(p.op, p.b_format) for p in spy.problems] == [("fwd", "mx_e4m3"), ("dgrad", "mx_e4m3")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", sorted(MX_FLOORS))
 def test_gpu_mx_module_meets_the_floors(recipe):
     """Qwen3-30B-A3B gate-up on 32 experts (K=2048, N=1536), skewed splits, on whatever
-    backends the dispatcher picks on this GPU, with the layer's cached MX weights."""
+    backends the dispatcher picks on this GPU, with MX weights quantized inside each call."""
     gen = torch.Generator().manual_seed(11)
     g, m, n, k = 32, 8192, 1536, 2048
     splits = gg.skewed_splits(g, m, seed=11)

@@ -299,7 +299,10 @@ def test_prequantized_weights_skip_clearly_when_unavailable(tmp_path, capsys, mo
     argv = ["--cases", "mixtral_down", "--ops", "fwd,wgrad", "--splits", "balanced", "--recipe", "a16w4"]
     code, out, _ = _run(capsys, *argv, *SMOKE, "--prequantized-weights", "--quiet", "--backends", "all")
     assert code == 0
-    assert "SKIPPED: - on mixtral_down balanced fwd a16w4: --prequantized-weights: this grouped_gemm has no" in out
+    assert (
+        "SKIPPED: - on mixtral_down balanced fwd a16w4 w:prequantized: --prequantized-weights: this grouped_gemm has no"
+        in out
+    )
     assert "gg.quantize_mx" in out and "wgrad a16w4: --prequantized-weights" not in out
 
 
@@ -397,3 +400,23 @@ def test_prequantized_weights_reach_the_backend_and_are_checked_as_the_same_func
     # a16w4: bf16 activations x the very MX weights passed, so the output floor applies;
     # mxfp8 still quantizes the activations inside, so only the recipe floor does.
     assert floors["a16w4"] == pytest.approx(45.16, abs=0.01) and floors["mxfp8"] == 25.0
+
+
+def test_mx_weights_both_times_each_mx_call_per_call_and_prequantized(tmp_path, capsys):
+    """``--mx-weights both``: MX fwd / dgrad run twice (bf16 weights quantized inside the
+    call, then an MXTensor), labelled in the table and the JSON; wgrad and bf16 once."""
+    out_json = tmp_path / "both.json"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd,dgrad,wgrad", "--splits", "balanced", "--recipe", "bf16,a16w4"]
+    flags = ["--mx-weights", "both", "--backends", "reference", "--no-peer", "--quiet", "--out", str(out_json)]
+    code, out, _ = _run(capsys, *argv, *SMOKE, *flags)
+    assert code == 0, out
+    doc = json.loads(out_json.read_text())
+    seen = sorted((r["recipe"], r["op"], r["weights"]) for r in doc["rows"] if r["status"] == "ok")
+    assert seen == sorted(
+        [("bf16", op, "") for op in ("fwd", "dgrad", "wgrad")]
+        + [("a16w4", op, w) for op in ("fwd", "dgrad") for w in ("per-call", "prequantized")]
+        + [("a16w4", "wgrad", "")]
+    )
+    assert doc["options"]["mx_weights"] == "both"
+    assert "a16w4 w:per-call" in out and "a16w4 w:prequantized" in out
+    assert "= 8 problems (MX fwd/dgrad twice: --mx-weights both)" in out

@@ -113,8 +113,7 @@ def test_moe_fullgraph_matches_eager_and_reuses_one_graph(recipe, gen):
 
 
 def test_mx_recipe_compiles_and_matches_eager(gen):
-    """Compiled, the op quantizes the weights per call; eager uses the layer's cached copy:
-    the same quantizer, so the same numbers."""
+    """Compiled and eager both quantize the weights inside each call: the same numbers."""
     torch.manual_seed(0)
     model = MoEMLP(64, 32, 4, 2, "mxfp8")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -125,7 +124,6 @@ def test_mx_recipe_compiles_and_matches_eager(gen):
     assert rel_error(yc, y) < 1e-6 and rel_error(dxc, dx) < 1e-6
     for name in grads:
         assert rel_error(grads_c[name], grads[name]) < 1e-6, name
-    assert model.gate_up._quantized.quantizations == 2
 
 
 def test_moe_fullgraph_with_inductor(gen):

@@ -187,43 +187,121 @@ def _mx_layer(recipe: str = "mxfp8", **kwargs) -> gg.GroupedLinear:
     return gg.GroupedLinear(4, 64, 32, recipe=recipe, **kwargs)
 
 
-def test_mx_weights_are_quantized_once_per_version(on_reference, gen):
-    layer = _mx_layer()
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    x = torch.randn(48, 64, generator=gen).bfloat16()
-    splits = [16, 0, 24, 8]
-    with torch.no_grad():
-        first = layer(x, splits)
-        layer(x, splits)
-    assert layer._quantized.quantizations == 1  # fwd copy only
-    x.requires_grad_()
-    layer(x, splits).float().sum().backward()
-    layer(x, splits).float().sum().backward()
-    assert layer._quantized.quantizations == 2  # + the dgrad copy, reused by the second step
-    optimizer.step()
-    after = layer(x, splits)
-    assert layer._quantized.quantizations == 3  # the weight changed: fwd copy refreshed
-    assert not torch.equal(after, first)
-    # The cached copy gives exactly what quantizing the current weight per call gives.
-    per_call = gg.grouped_gemm(x.detach(), layer.weight.detach(), splits, recipe="mxfp8")
-    assert torch.equal(after, per_call + _bias(layer, splits))
-
-
 def _bias(layer: gg.GroupedLinear, splits: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(layer.bias.detach(), torch.tensor(splits), dim=0)
 
 
-def test_mx_cache_sees_storage_swaps_and_explicit_refresh(on_reference, gen):
+def _per_call(layer: gg.GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int]):
+    """Output and dx of the layer's current weights through the plain API (eager reference)."""
+    w = layer.weight.detach()
+    y = gg.grouped_gemm(x.detach(), w, splits, recipe=layer.recipe) + _bias(layer, splits)
+    return y, gg.grouped_gemm_dgrad(dy, w, splits, recipe=layer.recipe)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "a8w4", "a16w4"])
+def test_mx_weight_updates_are_seen_by_the_next_call(on_reference, recipe, gen):
+    """Every call quantizes the current master weights: after each optimizer step the
+    output and dx equal the plain API on the updated weights, bit for bit."""
+    layer = _mx_layer(recipe)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    splits = [16, 0, 24, 8]
+    x = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(48, 32, generator=gen).bfloat16()
+    outputs = []
+    for _ in range(3):
+        x.grad = None
+        y = layer(x, splits)
+        y.backward(dy)
+        want_y, want_dx = _per_call(layer, x, dy, splits)
+        assert torch.equal(y, want_y) and torch.equal(x.grad, want_dx)
+        outputs.append(y.detach())
+        optimizer.step()
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
+
+
+def test_mx_dgrad_refuses_weights_changed_after_forward(on_reference, gen):
+    """dgrad quantizes the weight forward saved: autograd refuses one modified in between,
+    so dgrad's copy can never silently differ from the forward's."""
+    layer = _mx_layer()
+    x = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    y = layer(x, [16, 0, 24, 8])
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+
+
+def test_mx_writes_through_data_are_seen(on_reference, gen):
+    """No cache to go stale: even writes that bypass the version counter are seen."""
     layer = _mx_layer(bias=False)
     x = torch.randn(48, 64, generator=gen).bfloat16()
     splits = [16, 0, 24, 8]
     before = layer(x, splits)
-    layer.weight.data = layer.weight.data * 2  # new storage, same version counter
+    layer.weight.data.copy_(layer.weight.data * 2)  # no version bump
     assert torch.equal(layer(x, splits), 2 * before)  # scaling by 2 is exact in MX
-    layer.weight.data.copy_(layer.weight.data / 2)  # bypasses the version counter ...
-    assert torch.equal(layer(x, splits), 2 * before)  # ... so the stale copy is used
-    layer.refresh_quantized_weights()
+    layer.weight.data = layer.weight.data / 2  # new storage
     assert torch.equal(layer(x, splits), before)
+
+
+def test_mx_frozen_weights_quantize_once_and_refuse_when_stale(on_reference, gen):
+    layer = _mx_layer(bias=False)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    with torch.no_grad():
+        want = layer(x, splits)
+    layer.freeze_quantized_weights()
+    assert layer.frozen and "frozen_quantized_weights=True" in repr(layer)
+    frozen = layer._frozen.quantized["fwd"]
+    with torch.no_grad():
+        assert torch.equal(layer(x, splits), want)
+        # The frozen copy is what the forward multiplies: poison it and the output follows.
+        frozen.scale.fill_(127 + 1)
+        assert not torch.equal(layer(x, splits), want)
+        layer.freeze_quantized_weights()
+        layer.weight.mul_(2)  # an update after freezing ...
+        with pytest.raises(gg.InvalidArgumentError, match="freeze_quantized_weights"):
+            layer(x, splits)  # ... is refused, not silently ignored
+        layer.freeze_quantized_weights()  # re-freezing picks the update up
+        assert torch.equal(layer(x, splits), 2 * want)
+    with pytest.raises(gg.InvalidArgumentError, match="requires_grad"):
+        layer(x, splits)  # weights that train would make the copy stale
+    layer.unfreeze_quantized_weights()
+    assert not layer.frozen
+    assert torch.equal(layer(x, splits), 2 * want)
+
+
+def test_mx_frozen_weights_give_input_gradients_with_backward_copy(on_reference, gen):
+    layer = _mx_layer(separate_weights=True)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(48, 32, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    y = layer(x, splits)
+    y.backward(dy)
+    want_y, want_dx = y.detach(), x.grad.clone()
+    layer.freeze_quantized_weights()
+    with pytest.raises(gg.InvalidArgumentError, match="backward=True"):
+        layer(x, splits)
+    layer.freeze_quantized_weights(backward=True)
+    x.grad = None
+    y = layer(x, splits)
+    y.backward(dy)
+    assert torch.equal(y, want_y) and torch.equal(x.grad, want_dx)
+
+
+def test_mx_freeze_rejects_plain_recipes_and_partial_blocks():
+    with pytest.raises(gg.InvalidArgumentError, match="MX recipe"):
+        gg.GroupedLinear(2, 64, 32).freeze_quantized_weights()
+    layer = gg.GroupedLinear(2, 40, 32, recipe="mxfp8")
+    with pytest.raises(gg.InvalidArgumentError, match="in_features=40"):
+        layer.freeze_quantized_weights()
+    layer = gg.GroupedLinear(2, 64, 40, recipe="mxfp8")
+    layer.freeze_quantized_weights()  # dgrad's N=40 only matters with backward=True
+    with pytest.raises(gg.InvalidArgumentError, match="out_features=40"):
+        layer.freeze_quantized_weights(backward=True)
+    with pytest.raises(gg.InvalidTypeError, match="backward"):
+        layer.freeze_quantized_weights(backward=1)
 
 
 def test_mx_separate_weights_match_stacked(on_reference, gen):
@@ -235,7 +313,6 @@ def test_mx_separate_weights_match_stacked(on_reference, gen):
             separate.biases[g].copy_(stacked.bias[g])
     x = torch.randn(48, 64, generator=gen).bfloat16()
     assert torch.equal(stacked(x, [16, 0, 24, 8]), separate(x, [16, 0, 24, 8]))
-    assert separate._quantized.quantizations == 1
 
 
 def test_mx_unaligned_features_quantize_per_call(on_reference, gen):
@@ -244,7 +321,6 @@ def test_mx_unaligned_features_quantize_per_call(on_reference, gen):
     x = torch.randn(10, 40, generator=gen).bfloat16().requires_grad_()
     y = layer(x, [3, 7])
     y.float().sum().backward()
-    assert layer._quantized.quantizations == 0
     with torch.no_grad():
         want = run_experts(expert_linears(layer), x.double(), [3, 7])
     assert sqnr_db(y, want) > 25

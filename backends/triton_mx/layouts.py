@@ -25,12 +25,15 @@ a multiple of 128 with zero codes:
 
 ``small_scales`` records whether every scale byte is at most 128 (|w| < 12 everywhere);
 then the kernel folds the decode's 2^126 into the scale and multiplies once instead of
-twice (``decode.e8m0_to_bf16x2``). Finding out reads the scales back to the host once, so
-it is only done for cached layouts outside CUDA-graph capture.
+twice (``decode.e8m0_to_bf16x2``). Finding out reads the scales back to the host, so it
+is only done for the cached layouts of pre-quantized ``MXTensor`` weights (which their
+owner keeps fixed), outside CUDA-graph capture; weights quantized per call never do it.
 
-Building it costs a few passes over the weight; ``upcast_weight`` caches the result per
-``MXTensor`` object (weakly keyed, invalidated when its tensors are modified in place), so
-inference with fixed quantized weights pays it once.
+Both ways of building a layout are one Triton launch over all groups
+(``weight_prep_kernel``): ``quantize_upcast_weight`` quantizes a high-precision weight
+straight into the layout (training: fresh weights every step), ``build_upcast_weight``
+rearranges an E2M1 ``MXTensor``. ``upcast_weight`` caches the latter per ``MXTensor``
+object (weakly keyed, invalidated when its tensors are modified in place).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ import threading
 import weakref
 
 import torch
+import triton
+from grouped_gemm.backends.triton_mx import weight_prep_kernel
 
-from grouped_gemm.mx import MXTensor
+from grouped_gemm.mx import MXTensor, triton_quantizer
+from grouped_gemm.mx.formats import FORMATS
 
 #: Contraction padding of the layout (one int32 of scales covers 128 elements).
 K_ALIGN = 128
@@ -59,19 +65,30 @@ class UpcastWeight:
     small_scales: bool = False
 
 
-def _codes_rows_by_contraction(mx: MXTensor, g: int) -> torch.Tensor:
-    """Group ``g``'s E2M1 codes as (rows, contraction) uint8, one code per byte."""
-    d = mx.data[g]
-    if mx.axis == 2:
-        return torch.stack((d & 15, d >> 4), dim=-1).reshape(d.shape[0], -1)
-    codes = torch.stack((d & 15, d >> 4), dim=1).reshape(-1, d.shape[1])
-    return codes.T
+def _empty_layout(groups: int, rows: int, k_red: int, device: torch.device, run_major: bool) -> UpcastWeight:
+    """An unfilled layout (the kernels write every word and scale, padding included)."""
+    k_padded = -(-k_red // K_ALIGN) * K_ALIGN
+    runs = k_padded // K_ALIGN
+    if run_major:
+        data = torch.empty(groups, runs, rows, 16, dtype=torch.int32, device=device).transpose(1, 2)
+    else:
+        data = torch.empty(groups, rows, runs, 16, dtype=torch.int32, device=device)
+    scales = torch.empty(groups, runs, rows, dtype=torch.int32, device=device)
+    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)
 
 
-def _scales_rows_by_blocks(mx: MXTensor, g: int) -> torch.Tensor:
-    """Group ``g``'s scale bytes as (rows, contraction / 32)."""
-    s = mx.scale[g]
-    return s if mx.axis == 2 else s.T
+#: Layout rows per program and warps of the layout kernels: a 64 x 128 tile on 4 warps
+#: (not yet tuned on a GPU: ``benchmarks/train_step.py --prep-sweep`` times the others).
+DEFAULT_TILE = (64, 4)
+
+
+def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
+    """Grid (one program per group, tile of ``rows`` layout rows and 128-run), row tiles,
+    layout strides."""
+    runs = lay.k_padded // K_ALIGN
+    row_tiles = triton.cdiv(lay.rows, rows)
+    strides = (lay.data.stride(0), lay.data.stride(1), lay.data.stride(2), lay.scales.stride(0), lay.scales.stride(1))
+    return (groups * row_tiles * runs,), row_tiles, strides
 
 
 def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: bool = True) -> UpcastWeight:
@@ -79,26 +96,75 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
     ``check_scales`` finds out ``small_scales`` (one device-to-host read); ``run_major``
     False stores rows contiguously instead (the same logical layout, for comparisons)."""
     groups = mx.shape[0]
-    rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
-    k_red = mx.shape[mx.axis]
-    k_padded = -(-k_red // K_ALIGN) * K_ALIGN
-    runs = k_padded // K_ALIGN
-    if run_major:
-        data = torch.empty(groups, runs, rows, 16, dtype=torch.int32, device=mx.device).transpose(1, 2)
-    else:
-        data = torch.empty(groups, rows, runs, 16, dtype=torch.int32, device=mx.device)
-    scales = torch.empty(groups, k_padded // K_ALIGN, rows, dtype=torch.int32, device=mx.device)
-    for g in range(groups):
-        codes = torch.nn.functional.pad(_codes_rows_by_contraction(mx, g), (0, k_padded - k_red)).to(torch.int64)
-        # Element 32b + 8j + 2q + h of each 128-run -> word 4q + b, nibble j + 4h.
-        split = codes.reshape(rows, runs, 4, 4, 4, 2)  # row, run, b, j, q, h
-        nibbles = split.permute(0, 1, 4, 2, 5, 3).reshape(rows, k_padded // 8, 8)  # row, word (q, b), nibble (h, j)
-        words = (nibbles << (4 * torch.arange(8, device=codes.device))).sum(-1)
-        data[g] = (words - ((words >> 31) << 32)).to(torch.int32).reshape(rows, runs, 16)
-        blocks = torch.nn.functional.pad(_scales_rows_by_blocks(mx, g), (0, (k_padded - k_red) // 32))
-        scales[g] = blocks.contiguous().view(torch.int32).T
+    fwd = mx.axis == 2
+    rows = mx.shape[1] if fwd else mx.shape[2]
+    lay = _empty_layout(groups, rows, mx.shape[mx.axis], mx.device, run_major)
+    if lay.data.numel():
+        rows_per, warps = DEFAULT_TILE
+        grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
+        codes, scale = mx.data, mx.scale
+        # (row, contraction) strides of the packed codes and of the scale bytes.
+        code_strides = (codes.stride(1), codes.stride(2)) if fwd else (codes.stride(2), codes.stride(1))
+        scale_strides = (scale.stride(1), scale.stride(2)) if fwd else (scale.stride(2), scale.stride(1))
+        weight_prep_kernel.mx_upcast_kernel[grid](
+            codes,
+            scale,
+            lay.data,
+            lay.scales,
+            rows,
+            lay.k_red,
+            lay.k_padded // K_ALIGN,
+            row_tiles,
+            codes.stride(0),
+            *code_strides,
+            scale.stride(0),
+            *scale_strides,
+            *strides,
+            ROWS=rows_per,
+            num_warps=warps,
+        )
     small = check_scales and not _capturing(mx.device) and bool((mx.scale <= 128).all())
-    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, small_scales=small)
+    return dataclasses.replace(lay, small_scales=small)
+
+
+def quantize_upcast_weight(
+    w: torch.Tensor, op: str, scale_rule: str, run_major: bool = True, *, tile: tuple[int, int] | None = None
+) -> UpcastWeight:
+    """A (G, N, K) bf16 / fp16 / fp32 weight quantized to E2M1 for ``op`` (fwd: blocks along
+    K; dgrad: along N) and laid out, in one pass; bit-identical to
+    ``build_upcast_weight(quantize_mx_weight(w, "e2m1", op=op, scale_rule=scale_rule))``.
+    The contraction must be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``).
+    ``tile`` (layout rows per program, a power of two; warps) overrides ``DEFAULT_TILE``
+    (benchmarks)."""
+    groups, n, k = w.shape
+    fwd = op == "fwd"
+    lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major)
+    if lay.data.numel():
+        x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
+        rows_per, warps = tile or DEFAULT_TILE
+        grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
+        weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
+        weight_prep_kernel.quantize_upcast_kernel[grid](
+            x,
+            lay.data,
+            lay.scales,
+            lay.rows,
+            lay.k_red,
+            lay.k_padded // K_ALIGN,
+            row_tiles,
+            x.stride(0),
+            *weight_strides,
+            *strides,
+            ROWS=rows_per,
+            num_warps=warps,
+            **_e2m1_args(x, scale_rule),
+        )
+    return lay
+
+
+def _e2m1_args(x: torch.Tensor, scale_rule: str) -> dict[str, int]:
+    """The MX quantizer's constants for E2M1 and the rule (its own table, so they match)."""
+    return triton_quantizer._format_args(x, FORMATS["e2m1"], scale_rule)
 
 
 def _capturing(device: torch.device) -> bool:

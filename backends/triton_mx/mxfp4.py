@@ -8,7 +8,7 @@ upcast kernel, weights decoded to bf16 in registers, MX activations decoded to b
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import launch, layouts, operands
+from grouped_gemm.backends.triton_mx import launch, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
 from grouped_gemm.mx import MXTensor
@@ -67,9 +67,8 @@ class TritonMxfp4Backend(Backend):
             return _run_wgrad(problem, inputs)
         name = "x" if problem.op == "fwd" else "dy"
         act = operands.activation(problem, inputs.a, name)
-        w = operands.weight(problem, inputs.b)
         n_out = problem.n if problem.op == "fwd" else problem.k
-        device = w.device
+        device = inputs.b.device
         out = inputs.out
         if out is None:
             out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
@@ -77,13 +76,10 @@ class TritonMxfp4Backend(Backend):
             return out
         splits = launch.device_splits(inputs.m_splits, device)
         if problem.device.has("scaled_mma"):
-            return launch.launch_scaled(act, w, splits, out, problem.groups)
+            return launch.launch_scaled(act, operands.weight(problem, inputs.b), splits, out, problem.groups)
         if isinstance(act, MXTensor):
             act = launch.dequantize(act)
-        # A weight passed quantized is reused across calls: cache its layout. One quantized
-        # here lives for this call only.
-        layout = layouts.upcast_weight(w) if w is inputs.b else layouts.build_upcast_weight(w)
-        return launch.launch_upcast(act, layout, splits, out, problem.groups)
+        return launch.launch_upcast(act, operands.upcast_weight(problem, inputs.b), splits, out, problem.groups)
 
 
 def _lhs_reasons(problem: Problem) -> list[Reason]:

@@ -1,6 +1,8 @@
 """Operands per recipe: quantize high-precision inputs with ``gg.quantize_mx``, or check
 pre-quantized ``MXTensor`` operands, so the kernels always see MX data blocked along the
-contraction (fwd / dgrad) or along the tokens (wgrad).
+contraction (fwd / dgrad) or along the tokens (wgrad). The Hopper upcast path takes its
+weight in its own layout (``upcast_weight``): high-precision weights are quantized
+straight into it, with no ``MXTensor`` in between.
 
 Which format goes where (DESIGN section 2, recipes.py):
 
@@ -21,6 +23,8 @@ backends (``backend.check`` says so).
 from __future__ import annotations
 
 import torch
+from grouped_gemm.backends.triton_mx import layouts
+from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
@@ -67,6 +71,16 @@ def weight(problem: Problem, w: torch.Tensor | MXTensor) -> MXTensor:
             )
         return w
     return quantize_mx_weight(w, "e2m1", op=problem.op, scale_rule=problem.scale_rule)
+
+
+def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
+    """The weight in the Hopper upcast kernel's layout. High-precision weights (training:
+    new every step) are quantized straight into it by one fused kernel, with nothing read
+    back to the host, so this is safe inside a CUDA graph and re-runs on replay; an
+    ``MXTensor`` is its owner's fixed copy, and its layout is cached per object."""
+    if isinstance(w, MXTensor):
+        return layouts.upcast_weight(weight(problem, w))
+    return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule)
 
 
 def wgrad_operands(

@@ -16,7 +16,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm.bench import ceilings, environment, plot, report
 from grouped_gemm.bench.progress import Progress
-from grouped_gemm.bench.runner import BenchOptions, Sweep
+from grouped_gemm.bench.runner import MX_WEIGHTS, BenchOptions, Sweep
 from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan
 from grouped_gemm.device import torch_device
@@ -48,7 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="blocks per backend, taken in turn with the others (GPU 5, CPU 1)")
     p.add_argument("--no-verify", action="store_true", help="skip the accuracy check of each output")
     p.add_argument("--no-peer", action="store_true", help="do not time torch._grouped_mm")
-    p.add_argument("--prequantized-weights", action="store_true", help="MX recipes: pass weights as gg.MXTensor")
+    p.add_argument(
+        "--mx-weights",
+        choices=MX_WEIGHTS,
+        default="per-call",
+        help="MX fwd/dgrad weights: bf16 quantized inside each call (training), gg.MXTensor, or both",
+    )
+    p.add_argument("--prequantized-weights", action="store_true", help="same as --mx-weights prequantized")
     p.add_argument("--device-splits", action="store_true", help="pass m_splits as a device tensor")
     p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     p.add_argument("--out", type=Path, help="write the JSON record here")
@@ -97,7 +103,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
         plan=_plan(args, device),
         verify=not args.no_verify,
         peer=not args.no_peer,
-        prequantized_weights=args.prequantized_weights,
+        mx_weights="prequantized" if args.prequantized_weights else args.mx_weights,
         device_splits=args.device_splits,
         seed=args.seed,
     )
@@ -120,7 +126,9 @@ def run_command(args: argparse.Namespace) -> int:
     print(report.header(env, measured, opts))
     print(
         f"running: {len(opts.cases)} case(s) x {len(opts.splits)} split(s) x {len(opts.recipes)} recipe(s) x "
-        f"{len(opts.ops)} op(s) = {opts.problems} problems; backends: "
+        f"{len(opts.ops)} op(s) = {opts.problems} problems"
+        + (" (MX fwd/dgrad twice: --mx-weights both)" if opts.mx_weights == "both" else "")
+        + "; backends: "
         + (opts.backends if isinstance(opts.backends, str) else ", ".join(opts.backends))
         + ("; peer torch._grouped_mm bf16" if opts.peer else "")
     )

@@ -36,6 +36,7 @@ def document(
             "verify": opts.verify,
             "peer": opts.peer,
             "prequantized_weights": opts.prequantized_weights,
+            "mx_weights": opts.mx_weights,
             "device_splits": opts.device_splits,
             "seed": opts.seed,
         },
@@ -88,7 +89,13 @@ def _row_cells(r: Row) -> list[str]:
 
 
 def _problem_key(r: Row) -> tuple:
-    return (r.case, r.splits, r.op, r.recipe)
+    return (r.case, r.splits, r.op, _recipe_cell(r))
+
+
+def _recipe_cell(r: Row) -> str:
+    """The recipe, and for MX fwd / dgrad how the weight was passed (``w:per-call``: high
+    precision, quantized inside the call; ``w:prequantized``: an MXTensor)."""
+    return f"{r.recipe} w:{r.weights}" if r.weights else r.recipe
 
 
 def table(rows: list[Row]) -> str:
@@ -100,7 +107,7 @@ def table(rows: list[Row]) -> str:
         key = _problem_key(r)
         first = key != last
         last = key
-        problem = [r.case, str(r.groups), str(r.m), str(r.n), str(r.k), r.splits, r.op, r.recipe]
+        problem = [r.case, str(r.groups), str(r.m), str(r.n), str(r.k), r.splits, r.op, _recipe_cell(r)]
         out.append((problem if first else [""] * len(problem)) + _row_cells(r))
     widths = [max(len(line[i]) for line in out) for i in range(len(out[0]))]
     numeric = set(range(1, 5)) | set(range(9, 15))
@@ -114,7 +121,7 @@ def table(rows: list[Row]) -> str:
 def problems_with_issues(rows: list[Row]) -> list[str]:
     """One line per row that is wrong, failed, or was skipped, with its note."""
     return [
-        f"{r.status.upper()}: {r.backend} on {r.case} {r.splits} {r.op} {r.recipe}: {r.note}"
+        f"{r.status.upper()}: {r.backend} on {r.case} {r.splits} {r.op} {_recipe_cell(r)}: {r.note}"
         for r in rows
         if r.status != "ok"
     ]

@@ -28,10 +28,16 @@ from grouped_gemm.problem import Op, Problem
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
 
+#: How MX recipes get their fwd / dgrad weights (``--mx-weights``): high precision, quantized
+#: inside each call as in training; pre-quantized ``MXTensor`` as in inference; or both.
+MX_WEIGHTS = ("per-call", "prequantized", "both")
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
     """What to run. ``backends``: ``"eligible"`` (every eligible backend but the slow
-    ``reference``), ``"all"`` (reference too) or a tuple of names."""
+    ``reference``), ``"all"`` (reference too) or a tuple of names. ``mx_weights``: one of
+    ``MX_WEIGHTS``."""
 
     cases: tuple[Case, ...]
     ops: tuple[Op, ...]
@@ -42,13 +48,25 @@ class BenchOptions:
     plan: TimingPlan = dataclasses.field(default_factory=TimingPlan)
     verify: bool = True
     peer: bool = True
-    prequantized_weights: bool = False
+    mx_weights: str = "per-call"
     device_splits: bool = False
     seed: int = 0
 
     @property
+    def prequantized_weights(self) -> bool:
+        return self.mx_weights != "per-call"
+
+    def weight_modes(self, recipe: str, op: Op) -> tuple[str, ...]:
+        """How the problem's weight is passed, one run each: ``"per-call"`` /
+        ``"prequantized"`` for an MX recipe's fwd and dgrad, else ``""`` (high precision)."""
+        if op == "wgrad" or not gg.get_recipe(recipe).is_mx:
+            return ("",)
+        return ("per-call", "prequantized") if self.mx_weights == "both" else (self.mx_weights,)
+
+    @property
     def problems(self) -> int:
-        return len(self.cases) * len(self.splits) * len(self.recipes) * len(self.ops)
+        per_case = sum(len(self.weight_modes(r, op)) for r in self.recipes for op in self.ops)
+        return len(self.cases) * len(self.splits) * per_case
 
 
 @dataclasses.dataclass
@@ -65,6 +83,7 @@ class Row:
     recipe: str
     backend: str
     role: str  # "backend" or "peer"
+    weights: str  # MX fwd / dgrad: "per-call" or "prequantized"; otherwise ""
     status: str  # "ok", "wrong" (failed the accuracy check), "error", "skipped"
     note: str = ""
     times_ms: list[float] = dataclasses.field(default_factory=list)
@@ -89,6 +108,7 @@ class Job:
     splits_kind: str
     recipe: str
     op: Op
+    weights: str = ""
 
     def row(self, backend: str, role: str, status: str, **fields: Any) -> Row:
         c = self.case
@@ -103,13 +123,15 @@ class Job:
             recipe=self.recipe,
             backend=backend,
             role=role,
+            weights=self.weights,
             status=status,
             **fields,
         )
 
     @property
     def label(self) -> str:
-        return f"{self.case.name} {self.splits_kind} {self.op} {self.recipe}"
+        weights = f" ({self.weights} weights)" if self.weights else ""
+        return f"{self.case.name} {self.splits_kind} {self.op} {self.recipe}{weights}"
 
 
 @dataclasses.dataclass
@@ -217,10 +239,11 @@ class Sweep:
                 for kind in self.opts.splits:
                     for recipe in self.opts.recipes:
                         for op in self.opts.ops:
-                            job = Job(case, kind, recipe, op)
-                            self.progress.step(job.label)
-                            self._problem(job)
-                            _release(self.opts.device)
+                            for weights in self.opts.weight_modes(recipe, op):
+                                job = Job(case, kind, recipe, op, weights)
+                                self.progress.step(job.label)
+                                self._problem(job)
+                                _release(self.opts.device)
         self.progress.close()
         return self.result
 
@@ -232,7 +255,7 @@ class Sweep:
         splits = job.case.splits(job.splits_kind)
         operands = make_operands(job.op, job.case, splits, _input_dtype(job.recipe), opts.device, opts.seed)
         reference_b = operands.first.b
-        if opts.prequantized_weights and gg.get_recipe(job.recipe).is_mx and job.op != "wgrad":
+        if job.weights == "prequantized":
             why = mx_weights.unavailable(job.recipe, job.op)
             if why is None:
                 why, reference_b = _prequantize(job, operands)
@@ -286,7 +309,7 @@ class Sweep:
         if why is not None:
             self.result.rows.append(job.row(peer.NAME, "peer", "skipped", note=why))
             return []
-        if job.recipe != "bf16" or opts.prequantized_weights:
+        if job.recipe != "bf16" or job.weights == "prequantized":
             operands = make_operands(job.op, job.case, splits, torch.bfloat16, opts.device, opts.seed)
             if opts.verify:
                 first = operands.first
