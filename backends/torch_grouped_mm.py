@@ -138,6 +138,15 @@ def _shape(problem: Problem) -> list[Reason]:
     return reasons
 
 
+def _recipe(problem: Problem) -> list[Reason]:
+    """a16w4 only for wgrad, whose operands the recipe keeps unquantized."""
+    if problem.recipe == "a16w4" and problem.op != "wgrad":
+        return [
+            Reason("recipe", f"a16w4 {problem.op} multiplies MXFP4 weights; only its wgrad (bf16 x bf16) runs here")
+        ]
+    return []
+
+
 def _call(problem: Problem) -> list[Reason]:
     """Weight lists (fwd / dgrad) and host splits under capture."""
     reasons = []
@@ -157,7 +166,8 @@ class TorchGroupedMMBackend(Backend):
         description="torch._grouped_mm: CUTLASS on sm_90/sm_100, CK on gfx942/gfx950 (opt-in), "
         "torch's mm loop on CPU; device offsets, capturable",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
-        recipes=frozenset({"bf16", "fp16", "fp32"}),
+        # a16w4's wgrad multiplies its bf16 gradients by its bf16 activations: a plain GEMM.
+        recipes=frozenset({"bf16", "fp16", "fp32", "a16w4"}),
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         archs=("cpu", "sm_9*", "sm_10*", "gfx942", "gfx950"),
         host_splits=False,
@@ -169,7 +179,7 @@ class TorchGroupedMMBackend(Backend):
     )
 
     def check(self, problem: Problem) -> list[Reason]:
-        return _availability(problem) + _dtypes(problem) + _shape(problem) + _call(problem)
+        return _recipe(problem) + _availability(problem) + _dtypes(problem) + _shape(problem) + _call(problem)
 
     def priority(self, problem: Problem) -> int:
         """The declared 50 on GPUs; ``CPU_PRIORITY`` on a CPU device."""

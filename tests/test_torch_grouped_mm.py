@@ -272,6 +272,21 @@ def test_mx_recipes_are_not_declared():
     assert "recipe" in codes(device="sm_90", recipe="mxfp8")
 
 
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_a16w4_only_for_its_plain_wgrad(op):
+    assert codes(device="sm_90", recipe="a16w4", op=op) == ["recipe"]
+    assert codes(device="sm_90", recipe="a16w4", op="wgrad") == []
+
+
+def test_a16w4_wgrad_matches_float64(gen):
+    """a16w4 keeps dy and x in bf16, so its wgrad is the plain bf16 product."""
+    splits = SPLITS["empty-groups"]
+    x, _, dy = operands(gen, splits, 24, 40, torch.bfloat16)
+    with gg.use_backends(NAME, strict=True):
+        dw = gg.grouped_gemm_wgrad(dy, x, splits, recipe="a16w4")
+    assert_accurate(dw, ref_wgrad(dy, x, splits))
+
+
 # ---------------------------------------------------------------- GPU: the CUTLASS kernel
 
 
