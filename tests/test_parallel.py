@@ -1,6 +1,8 @@
-"""ExpertParallelMoE across 2 and 4 CPU processes (gloo, localhost) against the single-process layer.
+"""ExpertParallelMoE on groups of 2 and 4 CPU processes (gloo, localhost) against the single-process layer.
 
-Each job starts ``world`` worker processes (this file, run as a script). Every worker
+One job starts 4 worker processes (this file, run as a script); 4-rank cases use the
+default group, 2-rank cases two groups of 2 at once; ``torchrun`` runs the example on 2
+processes. Every worker
 builds the single-process layer and runs it on the whole batch *before* joining the
 process group (so it is a plain local layer), then runs the expert-parallel layer with
 the same weights on its own slice of the tokens and writes the relative errors of the
@@ -17,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from grouped_gemm.parallel import ACTIVATIONS, ExpertParallelMoE
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT_S = 30
 JOB_TIMEOUT_S = 50
+WORLD = 4
 TOLERANCE = 1e-5
 
 # Per case: tokens on each rank, experts no token picks, ranks whose x needs no gradient.
@@ -93,9 +97,9 @@ def _inputs(case: dict, seed: int) -> tuple[ExpertParallelMoE, torch.Tensor, tor
     total = sum(case["tokens"])
     x = torch.randn(total, HIDDEN)
     x[:, 0] = 1 + x[:, 0].abs()  # a positive feature the router uses to ban experts
-    with torch.no_grad():
-        for e in case["banned"]:
-            ref.router.weight[e, 0] = -100.0
+    with torch.no_grad():  # feature 0 moves only the banned experts' logits
+        ref.router.weight[:, 0] = 0.0
+        ref.router.weight[case["banned"], 0] = -100.0
     dy = torch.randn(total, HIDDEN)
     return ref, x, dy
 
@@ -107,12 +111,14 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item() if want.numel() else 0.0
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    """One of 4 ranks. 4-rank cases run on the default group (``process_group=None``);
+    2-rank cases run on ranks {0, 1} and, at the same time, on {2, 3} (an explicit group
+    whose ranks differ from the global ones)."""
     import torch.distributed as dist
 
-    cases = {name: c for name, c in CASES.items() if c["world"] == world}
     references = {}
-    for i, (name, case) in enumerate(cases.items()):  # single process: no group exists yet
+    for i, (name, case) in enumerate(CASES.items()):  # single process: no group exists yet
         ref, x, dy = _inputs(case, seed=100 + i)
         x.requires_grad_(True)
         y = ref(x)
@@ -121,30 +127,35 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
     dist.init_process_group(
         "gloo",
-        store=dist.FileStore(store, world),
+        store=dist.FileStore(store, WORLD),
         rank=rank,
-        world_size=world,
+        world_size=WORLD,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     results: dict[str, dict] = {}
     try:
-        with pytest.raises(gg.InvalidArgumentError, match=r"num_experts=3 .*multiple of the process group's size"):
-            ExpertParallelMoE(3, HIDDEN, FFN, 1, recipe="fp32")
+        for group, experts in ((None, 6), (pairs[rank // 2], 3)):
+            with pytest.raises(
+                gg.InvalidArgumentError, match=rf"num_experts={experts} .*multiple of the process group"
+            ):
+                ExpertParallelMoE(experts, HIDDEN, FFN, 1, recipe="fp32", process_group=group)
         results["uneven_experts_error"] = {"raised": 1.0}
-        for name, case in cases.items():
+        for name, case in CASES.items():
             ref, x_all, y_all, dy_all = references[name]
-            start = sum(case["tokens"][:rank])
-            rows = slice(start, start + case["tokens"][rank])
+            group = None if case["world"] == WORLD else pairs[rank // 2]
             torch.manual_seed(1000 + rank)  # a different init: the load below must overwrite it
-            layer = _layer(case)
-            assert layer.expert_range == range(
-                rank * case["experts"] // world, (rank + 1) * case["experts"] // world
-            ), layer.expert_range
+            layer = _layer(case, process_group=group)
+            r, world = layer.rank, layer.world_size
+            assert (r, world) == ((rank, WORLD) if group is None else (rank % 2, 2)), (r, world)
+            assert layer.expert_range == range(r * case["experts"] // world, (r + 1) * case["experts"] // world)
             layer.load_full_state_dict(ref.state_dict())
             gathered = layer.full_state_dict()
             err = {f"state:{k}": _rel(v, ref.state_dict()[k]) for k, v in gathered.items()}
 
-            x = x_all.detach()[rows].clone().requires_grad_(rank not in case.get("no_input_grad", []))
+            start = sum(case["tokens"][:r])
+            rows = slice(start, start + case["tokens"][r])
+            x = x_all.detach()[rows].clone().requires_grad_(r not in case.get("no_input_grad", []))
             received = layer.route(x.detach()).expert_splits
             y = layer(x)
             (y * dy_all[rows]).sum().backward()
@@ -158,26 +169,27 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
                 if key.startswith("router."):
                     continue
                 parts = [torch.empty_like(param.grad) for _ in range(world)]
-                dist.all_gather(parts, param.grad.contiguous())
+                dist.all_gather(parts, param.grad.contiguous(), group=layer.group)
                 err[f"{key}.grad"] = _rel(torch.cat(parts), ref.get_parameter(key).grad)
-            results[name] = {"errors": err, "received": list(received)}
+            results[name] = {"group_rank": r, "errors": err, "received": list(received)}
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
 
 
 def _run_bounded(commands: list[list[str]], timeout: float, env: dict[str, str]) -> list[tuple[int, str]]:
-    """Start every command in its own session; past ``timeout`` kill what is left."""
+    """Start every command in its own session; past ``timeout`` (for all together) kill what is left."""
     procs = [
         subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
         for cmd in commands
     ]
+    deadline = time.monotonic() + timeout
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             outputs.append((p.returncode, out))
     except subprocess.TimeoutExpired:
         for p in procs:
@@ -193,56 +205,65 @@ def _env() -> dict[str, str]:
     return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_matches_single_process(world: int, tmp_path: Path):
-    cmds = [
-        [sys.executable, __file__, "--worker", str(rank), str(world), str(tmp_path / "store"), str(tmp_path)]
-        for rank in range(world)
-    ]
+@pytest.fixture(scope="module")
+def job_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every rank's results of one 4-process job."""
+    out = tmp_path_factory.mktemp("expert_parallel")
+    cmds = [[sys.executable, __file__, "--worker", str(rank), str(out / "store"), str(out)] for rank in range(WORLD)]
     outputs = _run_bounded(cmds, JOB_TIMEOUT_S, _env())
     for rank, (code, log) in enumerate(outputs):
         assert code == 0, f"rank {rank} exited with {code}:\n{log}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_single_process(world: int, job_results: list[dict]):
     cases = [name for name, c in CASES.items() if c["world"] == world]
-    for rank in range(world):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert results.pop("uneven_experts_error") == {"raised": 1.0}
-        assert sorted(results) == sorted(cases)
-        for name, result in results.items():
-            case, errors, received = CASES[name], result["errors"], result["received"]
+    assert all(results["uneven_experts_error"] == {"raised": 1.0} for results in job_results)
+    for rank, results in enumerate(job_results):
+        for name in cases:
+            case, result = CASES[name], results[name]
+            r, errors, received = result["group_rank"], result["errors"], result["received"]
+            assert r == (rank if world == WORLD else rank % 2)
             assert len(received) == case["experts"] // world
             for e, rows in enumerate(received):
-                assert (rows == 0) == ((rank, e) in case["empty"]), (name, rank, received)
+                assert (rows == 0) == ((r, e) in case["empty"]), (name, rank, received)
             weights = ["gate_up.weight", "down.weight"] + (["gate_up.bias", "down.bias"] if case.get("bias") else [])
             wanted = {"out", "router.weight.grad", *(f"{w}.grad" for w in weights), *(f"state:{w}" for w in weights)}
-            if rank not in case.get("no_input_grad", []):
+            if r not in case.get("no_input_grad", []):
                 wanted.add("x.grad")
             assert wanted <= set(errors), (name, rank, sorted(errors))
             bad = {k: v for k, v in errors.items() if not v < TOLERANCE}
             assert not bad, f"{name}, rank {rank}: relative errors above {TOLERANCE}: {bad}"
 
 
-def test_example_runs_under_torchrun(tmp_path: Path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "examples" / "expert_parallel.py"),
-        "--tokens",
-        "24",
-        "--bench-iters",
-        "2",
-        "--out",
-        str(tmp_path),
-    ]
-    [(code, log)] = _run_bounded([cmd], JOB_TIMEOUT_S, _env())
+def _run_example(out: Path, env: dict[str, str], *args: str, timeout: float = JOB_TIMEOUT_S) -> dict:
+    """``torchrun --standalone --nproc-per-node 2 examples/expert_parallel.py``; its JSON report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "examples" / "expert_parallel.py"), "--out", str(out), *args]
+    [(code, log)] = _run_bounded([cmd], timeout, env)
     assert code == 0, log
     assert "matches the single-process layer" in log, log
-    report = json.loads((tmp_path / "expert_parallel.json").read_text())
+    report = json.loads((out / "expert_parallel.json").read_text())
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(r["all_to_all_ms"] > 0 and r["grouped_gemm_ms"] > 0 for r in report["ranks"])
+    return report
+
+
+def test_example_runs_under_torchrun(tmp_path: Path):
+    report = _run_example(tmp_path, _env(), "--tokens", "24", "--bench-iters", "1")
+    assert report["backend"] == "gloo"
+    assert [r["tokens"] for r in report["ranks"]] == [16, 32]  # uneven on purpose
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one GPU per rank)")
+@pytest.mark.parametrize(
+    "args", [("--recipe", "fp32"), ("--recipe", "bf16", "--model", "qwen3_30b_a3b", "--tokens", "2048")]
+)
+def test_gpu_example_runs_under_torchrun_with_nccl(tmp_path: Path, args: tuple[str, ...]):
+    report = _run_example(tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"}, *args, "--bench-iters", "3", timeout=300)
+    assert report["backend"] == "nccl"
 
 
 def _dense_float64(state: dict[str, torch.Tensor], x: torch.Tensor, case: dict) -> torch.Tensor:
@@ -263,22 +284,31 @@ def _dense_float64(state: dict[str, torch.Tensor], x: torch.Tensor, case: dict) 
     return torch.stack(rows)
 
 
+def _check_against_float64(case: dict, device: str) -> None:
+    layer, x, dy = _inputs(case, seed=7)
+    layer, x, dy = layer.to(device), x.to(device).requires_grad_(True), dy.to(device)
+    y = layer(x)
+    (y * dy).sum().backward()
+    state = {k: v.detach().cpu().double().requires_grad_(True) for k, v in layer.state_dict().items()}
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    y64 = _dense_float64(state, x64, case)
+    (y64 * dy.cpu().double()).sum().backward()
+    assert _rel(y.cpu(), y64) < TOLERANCE
+    assert _rel(x.grad.cpu(), x64.grad) < TOLERANCE
+    for key, param in layer.named_parameters():
+        assert _rel(param.grad.cpu(), state[key].grad) < TOLERANCE, key
+
+
 @pytest.mark.parametrize("name", ["w2_uneven", "w4_skewed", "w4_one_expert_each"])
 def test_single_process_layer_matches_float64(name: str):
     """The local layer (the expert-parallel tests' reference) against a token-by-token float64 MoE."""
-    case = CASES[name]
-    layer, x, dy = _inputs(case, seed=7)
-    x.requires_grad_(True)
-    y = layer(x)
-    (y * dy).sum().backward()
-    state = {k: v.detach().double().requires_grad_(True) for k, v in layer.state_dict().items()}
-    x64 = x.detach().double().requires_grad_(True)
-    y64 = _dense_float64(state, x64, case)
-    (y64 * dy.double()).sum().backward()
-    assert _rel(y, y64) < TOLERANCE
-    assert _rel(x.grad, x64.grad) < TOLERANCE
-    for key, param in layer.named_parameters():
-        assert _rel(param.grad, state[key].grad) < TOLERANCE, key
+    _check_against_float64(CASES[name], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["w2_uneven", "w4_skewed"])
+def test_gpu_single_process_layer_matches_float64(name: str):
+    _check_against_float64(CASES[name], "cuda")
 
 
 def test_single_process_without_a_group_checks_its_arguments():
@@ -302,4 +332,4 @@ def test_single_process_without_a_group_checks_its_arguments():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    _worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
