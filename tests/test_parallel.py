@@ -40,7 +40,7 @@ TOLERANCE = 1e-5
 CASES: dict[str, dict] = {
     # rank 1 has no tokens and its experts (2, 3) receive nothing: it only waits and relays.
     "w2_rank1_idle": dict(
-        world=2, experts=4, top_k=2, tokens=[13, 0], banned=[2, 3], activation="swiglu", empty=[(1, 0), (1, 1)]
+        world=2, experts=4, top_k=2, tokens=[13, 0], banned=[2, 3], activation="relu", empty=[(1, 0), (1, 1)]
     ),
     # uneven tokens; expert 1 (rank 0) receives nothing; x on rank 1 needs no gradient.
     "w2_uneven": dict(
