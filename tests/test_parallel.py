@@ -32,6 +32,7 @@ from grouped_gemm.parallel import ACTIVATIONS, ExpertParallelMoE
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT_S = 30
 JOB_TIMEOUT_S = 50
+FAILURE_TIMEOUT_S = 2
 WORLD = 4
 TOLERANCE = 1e-5
 
@@ -172,6 +173,19 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                 dist.all_gather(parts, param.grad.contiguous(), group=layer.group)
                 err[f"{key}.grad"] = _rel(torch.cat(parts), ref.get_parameter(key).grad)
             results[name] = {"group_rank": r, "errors": err, "received": list(received)}
+        # Last (the group is unusable after a timeout): the last rank's bad input raises
+        # before any collective; the others give up after the group's timeout, not hang.
+        short = dist.new_group(list(range(WORLD)), timeout=timedelta(seconds=FAILURE_TIMEOUT_S))
+        layer = ExpertParallelMoE(4, HIDDEN, FFN, 1, recipe="fp32", process_group=short)
+        start = time.monotonic()
+        try:
+            layer(torch.randn(2, HIDDEN + (rank == WORLD - 1)))
+            outcome = "returned"
+        except gg.ShapeError:
+            outcome = "ShapeError"
+        except RuntimeError:  # torch.distributed's timeout (DistBackendError)
+            outcome = "RuntimeError"
+        results["one_rank_fails"] = {"outcome": outcome, "seconds": time.monotonic() - start}
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -214,6 +228,12 @@ def job_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     for rank, (code, log) in enumerate(outputs):
         assert code == 0, f"rank {rank} exited with {code}:\n{log}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_a_failing_rank_makes_the_others_raise_not_hang(job_results: list[dict]):
+    outcomes = [results["one_rank_fails"] for results in job_results]
+    assert [o["outcome"] for o in outcomes] == ["RuntimeError"] * (WORLD - 1) + ["ShapeError"]
+    assert all(o["seconds"] < FAILURE_TIMEOUT_S + 10 for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("world", [2, 4])
