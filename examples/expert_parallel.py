@@ -127,17 +127,15 @@ def bench(layer: ExpertParallelMoE, x: torch.Tensor, iters: int) -> dict[str, fl
     def gemms() -> None:  # gate-up, activation, down; dgrad and wgrad of both
         (layer.experts(grouped, r.expert_splits) * dy_grouped).sum().backward()
 
-    row_bytes = layer.hidden * x.element_size()
+    # Rows leaving this rank per step: dispatch and combine-backward send what this rank
+    # routed, combine and dispatch-backward what it received; rows it keeps do not count.
+    kept = r.send_splits[layer.rank]
+    rows_out = 2 * (sum(r.send_splits) - kept) + 2 * (sum(r.recv_splits) - kept)
     return {
         "tokens": x.shape[0],
         "rows_sent": sum(r.send_splits),
         "rows_received": sum(r.recv_splits),
-        # rows leaving this rank: dispatch and combine-backward send what this rank routed,
-        # combine and dispatch-backward what it received; rows kept on this rank excluded.
-        "all_to_all_mbytes_out": 2
-        * (sum(r.send_splits) + sum(r.recv_splits) - 2 * r.send_splits[layer.rank])
-        * row_bytes
-        / 1e6,
+        "all_to_all_mbytes_out": rows_out * layer.hidden * x.element_size() / 1e6,
         "step_ms": timed(step, iters, x.device),
         "all_to_all_ms": timed(exchanges, iters, x.device),
         "grouped_gemm_ms": timed(gemms, iters, x.device),
@@ -146,6 +144,9 @@ def bench(layer: ExpertParallelMoE, x: torch.Tensor, iters: int) -> dict[str, fl
 
 def main() -> int:
     args = parse_args()
+    if "RANK" not in os.environ:
+        print("run me with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + __file__, file=sys.stderr)
+        return 2
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -191,7 +192,9 @@ def main() -> int:
         if rank == 0:
             print(f"{world} ranks ({backend}, {args.recipe}): matches the single-process layer", flush=True)
 
-        times = bench(layer, x_all.detach()[rows], args.bench_iters)
+        x = x_all.detach()[rows]
+        del ref, x_all, y_all, dy_all  # the benchmark needs only this rank's layer and tokens
+        times = bench(layer, x, args.bench_iters)
         report = [None] * world
         dist.all_gather_object(report, {"rank": rank, **times})
         if rank == 0:
