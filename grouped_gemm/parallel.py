@@ -50,7 +50,9 @@ ACTIVATIONS: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
 }
 
 
-def _exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> torch.Tensor:
+def _exchange(
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
     return out
@@ -60,7 +62,9 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable ``all_to_all_single``: backward sends the gradients back, splits swapped."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any):
+    def forward(
+        ctx: Any, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         ctx.splits = (send_splits, recv_splits)
         ctx.group = group
         return _exchange(rows, send_splits, recv_splits, group)
@@ -71,7 +75,9 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
-def all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> torch.Tensor:
+def all_to_all(
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Send ``send_splits[r]`` consecutive rows of ``rows`` to rank r of ``group`` and return
     the ``recv_splits[r]`` rows from each rank r, in rank order; differentiable.
 
@@ -105,7 +111,7 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def _resolve_group(process_group: Any) -> Any:
+def _resolve_group(process_group: Any) -> dist.ProcessGroup | None:
     """The group to use: the given one, the default group if initialised, else None (local)."""
     if process_group is None:
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -142,7 +148,7 @@ class ExpertParallelMoE(torch.nn.Module):
         ffn: int,
         top_k: int,
         *,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         recipe: str | Recipe = "bf16",
         activation: str = "swiglu",
         bias: bool = False,

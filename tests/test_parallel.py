@@ -173,6 +173,13 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                 dist.all_gather(parts, param.grad.contiguous(), group=layer.group)
                 err[f"{key}.grad"] = _rel(torch.cat(parts), ref.get_parameter(key).grad)
             results[name] = {"group_rank": r, "errors": err, "received": list(received)}
+        # A group of one: no exchange, the same numbers as the local layer.
+        solo, _ = dist.new_subgroups(group_size=1)
+        case = CASES["w2_uneven"]
+        ref, x_all, y_all, _ = references["w2_uneven"]
+        layer = _layer(case, process_group=solo)
+        layer.load_full_state_dict(ref.state_dict())
+        results["group_of_one"] = {"world_size": layer.world_size, "out": _rel(layer(x_all.detach()), y_all)}
         # Last (the group is unusable after a timeout): the last rank's bad input raises
         # before any collective; the others give up after the group's timeout, not hang.
         short = dist.new_group(list(range(WORLD)), timeout=timedelta(seconds=FAILURE_TIMEOUT_S))
@@ -228,6 +235,10 @@ def job_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     for rank, (code, log) in enumerate(outputs):
         assert code == 0, f"rank {rank} exited with {code}:\n{log}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_a_group_of_one_is_the_local_layer(job_results: list[dict]):
+    assert all(results["group_of_one"] == {"world_size": 1, "out": 0.0} for results in job_results), job_results
 
 
 def test_a_failing_rank_makes_the_others_raise_not_hang(job_results: list[dict]):
