@@ -125,7 +125,9 @@ class ExpertParallelMoE(torch.nn.Module):
 
     ``forward(x)``: this rank's tokens ``(T, hidden)`` -> ``(T, hidden)``; T may differ
     between ranks and may be 0. Every rank of the group must call forward (and backward)
-    together.
+    together. The group is fixed at construction: ``None`` means the default group if one
+    is initialised then, else none (a local layer); a group of one (e.g. from
+    ``dist.new_subgroups(group_size=1)``) also gives the local layer inside a distributed job.
 
     Parameters: ``router.weight`` ``(num_experts, hidden)``, replicated (each rank's
     gradient covers its own tokens: sum it over the group, as data-parallel training
