@@ -31,6 +31,7 @@ DEFAULT_PLUGINS = (
     "grouped_gemm.backends.torch_grouped_mm",
     "grouped_gemm.backends.multistream",
     "grouped_gemm.backends.triton_mx",
+    "grouped_gemm.backends.hip_mxfp8",
 )
 
 
