@@ -67,7 +67,8 @@ class HipMxfp8Backend(Backend):
             reasons.append(Reason("layout", "wgrad takes dy and x both pre-quantized or both high precision"))
         if problem.capturing and problem.host_splits:
             reasons.append(Reason("capture", "m_splits are a host list the graph would keep; pass a device tensor"))
-        if not reasons and problem.device.vendor in self.spec.vendors:
+        # Only a problem this backend would otherwise run is worth a build (or its reason).
+        if not reasons and problem.device.arch in self.spec.archs and problem.recipe in self.spec.recipes:
             reasons += _build_reasons(problem)
         return reasons
 
