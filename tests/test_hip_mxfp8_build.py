@@ -194,6 +194,18 @@ def test_e5m2_gradients_are_refused(cache):
     assert _codes(backend.check(dataclasses.replace(problem, grad_format="e4m3"))) == []
 
 
+def test_wgrad_operand_kinds(cache):
+    backend = HipMxfp8Backend()
+    problem = gg.describe_problem(op="wgrad", recipe="mxfp8", groups=4, m=256, n=256, k=256, device="sm_90")
+    mixed = dataclasses.replace(problem, a_format="mx_e4m3")
+    assert [r.code for r in backend.check(mixed)] == ["layout"]
+    both = dataclasses.replace(problem, a_format="mx_e4m3", b_format="mx_e4m3")
+    assert _codes(backend.check(both)) == []
+    on_device = dataclasses.replace(both, host_splits=False)
+    reasons = backend.check(on_device)
+    assert [r.code for r in reasons] == ["layout"] and "host splits" in reasons[0].message
+
+
 def test_priority_per_arch():
     backend = HipMxfp8Backend()
     for arch, expected in (("sm_90", 30), ("sm_89", 30), ("gfx950", 10)):

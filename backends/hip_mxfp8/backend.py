@@ -63,8 +63,8 @@ class HipMxfp8Backend(Backend):
 
     def check(self, problem: Problem) -> list[Reason]:
         reasons = _recipe_reasons(problem) + _arch_reasons(problem)
-        if problem.op == "wgrad" and problem.a_format.startswith("mx_") != problem.b_format.startswith("mx_"):
-            reasons.append(Reason("layout", "wgrad takes dy and x both pre-quantized or both high precision"))
+        if problem.op == "wgrad":
+            reasons += _wgrad_reasons(problem)
         if problem.capturing and problem.host_splits:
             reasons.append(Reason("capture", "m_splits are a host list the graph would keep; pass a device tensor"))
         # Only a problem this backend would otherwise run is worth a build (or its reason).
@@ -109,6 +109,23 @@ def _recipe_reasons(problem: Problem) -> list[Reason]:
                 "recipe",
                 f"grad_format {problem.grad_format} not supported: the kernels multiply e4m3 x e4m3 "
                 "(mma.sync .e4m3.e4m3); use grad_format e4m3",
+            )
+        ]
+    return []
+
+
+def _wgrad_reasons(problem: Problem) -> list[Reason]:
+    """Pre-quantized wgrad operands are read at the tight group starts, so every group must
+    be whole 32-token blocks: the core checks that on host splits only."""
+    quantized = problem.a_format.startswith("mx_"), problem.b_format.startswith("mx_")
+    if quantized[0] != quantized[1]:
+        return [Reason("layout", "wgrad takes dy and x both pre-quantized or both high precision")]
+    if quantized[0] and not problem.host_splits:
+        return [
+            Reason(
+                "layout",
+                "pre-quantized wgrad operands need host splits (every group whole 32-token blocks, "
+                "which device splits do not let the core check); pass bf16 dy and x to quantize here",
             )
         ]
     return []

@@ -123,13 +123,23 @@ def arch_flags(arch: str) -> list[str]:
 
 
 def compile_extension(arch: str, directory: Path) -> Any:
-    """Build (or load the up-to-date build of) the extension in ``directory``."""
+    """Build (or load the up-to-date build of) the extension in ``directory``.
+
+    The sources are copied into ``directory/src`` first: on ROCm, PyTorch's hipify writes
+    converted files next to the sources, which an installed package may not allow."""
     from torch.utils import cpp_extension
 
+    sources = directory / "src"
+    sources.mkdir(exist_ok=True)
+    for name in SOURCES:
+        target = sources / name
+        content = (CSRC / name).read_bytes()
+        if not target.exists() or target.read_bytes() != content:
+            target.write_bytes(content)
     return cpp_extension.load(
         name=f"gg_hip_mxfp8_{source_hash()}",
-        sources=[str(CSRC / "binding.cu")],
-        extra_include_paths=[str(CSRC)],
+        sources=[str(sources / "binding.cu")],
+        extra_include_paths=[str(sources)],
         extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch)],
         build_directory=str(directory),
         verbose=False,

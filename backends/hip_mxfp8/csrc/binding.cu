@@ -48,7 +48,7 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
 // fwd / dgrad: out (M, C) = a (M, L) x b (G, C, L)^T per row group; L is the contraction.
 void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const torch::Tensor& b_data,
                const torch::Tensor& b_scale, const torch::Tensor& row_ends, const torch::Tensor& tile_ends,
-               int64_t max_tiles, torch::Tensor& out) {
+               int64_t max_tiles, const torch::Tensor& out) {
   check_operand(a_data, a_scale, "a");
   check_operand(b_data, b_scale, "b");
   check_out(out);
@@ -81,7 +81,7 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
 
 // wgrad: out[g] (R, C) (+)= a (R, T) x b (C, T)^T over group g's tokens [pad_ends[g-1], pad_ends[g]).
 void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const torch::Tensor& b_data,
-                const torch::Tensor& b_scale, const torch::Tensor& pad_ends, torch::Tensor& out, bool accumulate) {
+                const torch::Tensor& b_scale, const torch::Tensor& pad_ends, const torch::Tensor& out, bool accumulate) {
   check_operand(a_data, a_scale, "a");
   check_operand(b_data, b_scale, "b");
   check_out(out);
