@@ -170,6 +170,27 @@ def test_cuda_graph_capture_and_replay(op, gen):
     assert not math.isnan(out.sum().item())
 
 
+def test_portable_inner_product_matches_mma(tmp_path, gen):
+    """The ROCm inner product (software E4M3 decode), compiled for this GPU, against mma.sync."""
+    arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
+    portable = build.compile_extension(arch, tmp_path, portable=True)
+    fast = build.ensure(arch, "cuda").module
+    groups, m, n, k = 3, 300, 200, 160
+    splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
+    ends = torch.cumsum(splits, 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((splits + 127) // 128, 0, dtype=torch.int32)
+    x = quantize_mx(torch.randn(m, k, generator=gen).to(DEVICE), "e4m3", axis=1)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(DEVICE), "e4m3")
+    outs = []
+    for module in (fast, portable):
+        out = poison(torch.empty(m, n, device=DEVICE))
+        module.rows_gemm(x.data, x.scale, w.data, w.scale, ends, tile_ends, 3 + groups, out)
+        outs.append(out)
+    want = gg.grouped_gemm(x, w, [100, 0, 200], recipe="mxfp8", out_dtype=torch.float32, backend="reference")
+    assert sqnr_db(outs[1], want) >= MIN_SQNR
+    assert sqnr_db(outs[1], outs[0]) >= 100.0
+
+
 def test_selected_by_dispatch_on_this_gpu():
     d = gg.explain(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024)
     assert d.candidate(NAME).eligible, d.table()

@@ -122,8 +122,10 @@ def arch_flags(arch: str) -> list[str]:
     return [f"--offload-arch={arch}"]
 
 
-def compile_extension(arch: str, directory: Path) -> Any:
-    """Build (or load the up-to-date build of) the extension in ``directory``.
+def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any:
+    """Build (or load the up-to-date build of) the extension in ``directory``. ``portable``
+    compiles the ROCm inner product (software E4M3 decode, fp32 FMAs) for a CUDA GPU, so
+    the GPU tests can check that path where no ROCm compiler is.
 
     The sources are copied into ``directory/src`` first: on ROCm, PyTorch's hipify writes
     converted files next to the sources, which an installed package may not allow."""
@@ -137,10 +139,10 @@ def compile_extension(arch: str, directory: Path) -> Any:
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
     return cpp_extension.load(
-        name=f"gg_hip_mxfp8_{source_hash()}",
+        name=f"gg_hip_mxfp8_{'portable_' if portable else ''}{source_hash()}",
         sources=[str(sources / "binding.cu")],
         extra_include_paths=[str(sources)],
-        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch)],
+        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch), *(["-DGG_MXFP8_PORTABLE"] if portable else [])],
         build_directory=str(directory),
         verbose=False,
     )
