@@ -188,7 +188,7 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
         outs.append(out)
     want = gg.grouped_gemm(x, w, [100, 0, 200], recipe="mxfp8", out_dtype=torch.float32, backend="reference")
     assert sqnr_db(outs[1], want) >= MIN_SQNR
-    assert sqnr_db(outs[1], outs[0]) >= 100.0
+    assert sqnr_db(outs[1], outs[0]) >= 90.0
 
 
 def test_selected_by_dispatch_on_this_gpu():
