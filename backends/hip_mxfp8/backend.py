@@ -224,6 +224,12 @@ def _operand(problem: Problem, t: torch.Tensor | MXTensor, name: str, axis: int,
 
 
 def _run_rows(module: object, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+    cols = problem.n if problem.op == "fwd" else problem.k
+    out = inputs.out
+    if out is None:
+        out = torch.empty(problem.m, cols, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
+    if problem.m == 0:
+        return out
     a = _operand(problem, inputs.a, "x" if problem.op == "fwd" else "dy", 1)
     w = _operand(problem, inputs.b, "w", 2 if problem.op == "fwd" else 1)
     if a.data.shape[1] != w.data.shape[w.axis]:
@@ -234,14 +240,7 @@ def _run_rows(module: object, problem: Problem, inputs: GroupedInputs) -> torch.
         w_data, w_scale = _aligned(w.data), _aligned(w.scale)
     else:  # (G, N', K) blocked along N -> contraction-major (G, K, N')
         w_data, w_scale = _aligned(w.data.transpose(1, 2)), _aligned(w.scale.transpose(1, 2))
-    cols = problem.n if problem.op == "fwd" else problem.k
-    out = inputs.out
-    device = w_data.device
-    if out is None:
-        out = torch.empty(problem.m, cols, dtype=_DTYPES[problem.out_dtype], device=device)
-    if problem.m == 0:
-        return out
-    ends = inputs.offsets(device)
+    ends = inputs.offsets(out.device)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     tile_ends = torch.cumsum((sizes + TILE_ROWS - 1) // TILE_ROWS, 0, dtype=torch.int32)
     max_tiles = -(-problem.m // TILE_ROWS) + problem.groups
