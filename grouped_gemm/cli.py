@@ -11,6 +11,7 @@ from grouped_gemm import check
 from grouped_gemm.bench import command as bench
 from grouped_gemm.device import known_archs
 from grouped_gemm.problem import OPS
+from grouped_gemm.registry import registry
 
 
 def _support(spec: gg.BackendSpec) -> str:
@@ -34,12 +35,36 @@ def cmd_backends(args: argparse.Namespace) -> int:
             print(f"  {info.spec.description}")
         print(f"  supports: {_support(info.spec)}")
         print(f"  here: {state}")
+        status = _status(info.name)
+        if status:
+            print(f"  status: {status}")
     failures = gg.plugin_failures()
     if failures:
         print("\nplugins that failed to load:")
         for failure in failures:
             print(f"  {failure}")
     return 0
+
+
+def _status(name: str) -> str | None:
+    """A backend's own state line (e.g. a compiled backend's build), if it has a ``status()``."""
+    status = getattr(registry().get(name).backend, "status", None)
+    return status() if callable(status) else None
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build every backend that compiles on first use (or the one named) for this machine now."""
+    entries = [registry().get(args.backend)] if args.backend else registry().entries()
+    builders = [(e.spec.name, e.backend.build) for e in entries if callable(getattr(e.backend, "build", None))]
+    if not builders:
+        print(f"{args.backend or 'no backend'}: nothing to build")
+        return 0
+    failed = 0
+    for name, build in builders:
+        reason = build()
+        failed += reason is not None
+        print(f"{name}: not built: {reason}" if reason is not None else f"{name}: {_status(name) or 'built'}")
+    return 1 if failed else 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -68,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list backends and whether they can run here")
     p.add_argument("--arch", choices=known_archs(), help="describe this arch instead of this machine")
     p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("build", help="compile the backends that build on first use, now")
+    p.add_argument("backend", nargs="?", help="only this backend (default: every one that builds)")
+    p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("explain", help="show which backend a described problem goes to, and why")
     p.add_argument("--op", choices=OPS, default="fwd")

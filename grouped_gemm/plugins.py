@@ -29,8 +29,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 DEFAULT_PLUGINS = (
     "grouped_gemm.backends.reference",
     "grouped_gemm.backends.torch_grouped_mm",
+    "grouped_gemm.backends.torch_scaled_grouped_mm",
     "grouped_gemm.backends.multistream",
     "grouped_gemm.backends.triton_mx",
+    "grouped_gemm.backends.hip_mxfp8",
 )
 
 

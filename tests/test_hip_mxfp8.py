@@ -1,0 +1,196 @@
+"""hip_mxfp8 on a GPU (``pytest -m gpu tests/test_hip_mxfp8.py``): builds the extension
+first (into ``$GROUPED_GEMM_CACHE_DIR``), then checks every op against ``reference`` on the
+same quantized operands. Both backends quantize with the same quantizer, so the only
+difference is the product: SQNR >= 60 dB against the reference's fp32 result.
+
+Skipped without a GPU; the build-failure path, cache and eligibility are tested on any
+machine in tests/test_hip_mxfp8_build.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from grouped_gemm.backends.hip_mxfp8 import build
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
+
+import grouped_gemm as gg
+from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.testing import poison, random_splits, sqnr_db
+
+pytestmark = pytest.mark.gpu
+NAME = "hip_mxfp8"
+MIN_SQNR = 60.0
+DEVICE = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """Build once for the module; a failed build fails here with its log."""
+    reason = HipMxfp8Backend().build()
+    assert reason is None, f"{reason}\n" + "".join(r.log.read_text() for r in build.all_results() if not r.ok)
+
+
+def _recipe(rule: str) -> gg.Recipe:
+    return gg.get_recipe("mxfp8").model_copy(update={"scale_rule": rule})
+
+
+def _call(op, a, b, splits, recipe, backend, **kw):
+    fn = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}[op]
+    return fn(a, b, splits, recipe=recipe, backend=backend, **kw)
+
+
+def _operands(op, groups, m, n, k, gen):
+    """fwd: x (M, K), w (G, N, K); dgrad: dy (M, N), w; wgrad: dy (M, N), x (M, K)."""
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16)
+
+    if op == "wgrad":
+        return rnd(m, n), rnd(m, k)
+    return rnd(m, k if op == "fwd" else n), rnd(groups, n, k)
+
+
+def _out(op, groups, m, n, k, dtype):
+    shape = (groups, n, k) if op == "wgrad" else (m, n if op == "fwd" else k)
+    return poison(torch.empty(shape, dtype=dtype, device=DEVICE))
+
+
+def _splits(kind, groups, m, gen):
+    if kind == "balanced":
+        return gg.balanced_splits(groups, m)
+    if kind == "skewed":
+        return gg.skewed_splits(groups, m)
+    return random_splits(groups, m, empty=groups // 3, generator=gen)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize(
+    ("kind", "groups", "m", "n", "k"),
+    [
+        ("balanced", 8, 2048, 512, 1024),
+        ("skewed", 16, 3000, 384, 768),
+        ("empty", 12, 1000, 256, 512),
+        ("balanced", 1, 333, 256, 256),
+        ("skewed", 5, 777, 200, 136),  # nothing a multiple of 32 or of the 128-row tile
+        ("empty", 7, 97, 48, 80),
+    ],
+    ids=["balanced", "skewed", "empty_groups", "g1", "unaligned", "small"],
+)
+def test_matches_reference(op, rule, kind, groups, m, n, k, gen):
+    splits = _splits(kind, groups, m, gen)
+    a, b = _operands(op, groups, m, n, k, gen)
+    recipe = _recipe(rule)
+    want = _call(op, a, b, splits, recipe, "reference", out_dtype=torch.float32)
+    for device_splits in (False, True):
+        s = torch.tensor(splits, device=DEVICE) if device_splits else splits
+        out = _out(op, groups, m, n, k, torch.float32)
+        got = _call(op, a, b, s, recipe, NAME, out=out)
+        assert got is out
+        assert sqnr_db(got, want) >= MIN_SQNR, (device_splits, sqnr_db(got, want))
+    if op == "wgrad":
+        empty = [g for g, rows in enumerate(splits) if rows == 0]
+        assert torch.count_nonzero(got[empty]) == 0
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_bf16_output(op, gen):
+    """bf16 results: the fp32 accumulation rounded once (as close as the reference's own bf16)."""
+    groups, m, n, k = 6, 1500, 320, 448
+    splits = gg.skewed_splits(groups, m)
+    a, b = _operands(op, groups, m, n, k, gen)
+    want = _call(op, a, b, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    ref_bf16 = _call(op, a, b, splits, "mxfp8", "reference")
+    got = _call(op, a, b, splits, "mxfp8", NAME, out=_out(op, groups, m, n, k, torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    assert sqnr_db(got, want) >= sqnr_db(ref_bf16, want) - 1.0
+
+
+def test_wgrad_accumulates_into_fp32_main_grad(gen):
+    groups, m, n, k = 8, 1200, 256, 384
+    splits = random_splits(groups, m, empty=2, generator=gen)
+    dy, x = _operands("wgrad", groups, m, n, k, gen)
+    main_grad = torch.randn(groups, n, k, generator=gen).to(DEVICE)
+    before = main_grad.clone()
+    delta = _call("wgrad", dy, x, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call("wgrad", dy, x, splits, "mxfp8", NAME, out=main_grad, accumulate=True)
+    assert got is main_grad
+    assert sqnr_db(main_grad, before + delta) >= MIN_SQNR
+    empty = [g for g, rows in enumerate(splits) if rows == 0]
+    assert torch.equal(main_grad[empty], before[empty])
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_prequantized_operands_and_nan_scale(op, gen):
+    """MXTensor operands as given; a scale byte of 255 makes its rows NaN, as in reference."""
+    groups, m, n, k = 4, 640, 256, 512
+    splits = gg.balanced_splits(groups, m)
+    a, w = _operands(op, groups, m, n, k, gen)
+    aq = quantize_mx(a, "e4m3", axis=1)
+    wq = quantize_mx_weight(w, "e4m3", op=op)
+    aq.scale[5, 3] = 255
+    want = _call(op, aq, wq, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call(op, aq, wq, splits, "mxfp8", NAME, out=_out(op, groups, m, n, k, torch.float32))
+    assert torch.isnan(got[5]).all() and torch.isnan(want[5]).all()
+    keep = torch.ones(m, dtype=torch.bool, device=DEVICE)
+    keep[5] = False
+    assert sqnr_db(got[keep], want[keep]) >= MIN_SQNR
+
+
+def test_all_groups_empty():
+    x = torch.empty(0, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(3, 128, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert _call("fwd", x, w, [0, 0, 0], "mxfp8", NAME).shape == (0, 128)
+    dy = torch.empty(0, 128, device=DEVICE, dtype=torch.bfloat16)
+    dw = _call("wgrad", dy, x, [0, 0, 0], "mxfp8", NAME, out=_out("wgrad", 3, 0, 128, 256, torch.float32))
+    assert torch.count_nonzero(dw) == 0
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_cuda_graph_capture_and_replay(op, gen):
+    """Device splits: nothing is read on the host, so the call captures; replay with new splits."""
+    groups, m, n, k = 8, 1024, 256, 512
+    a, b = _operands(op, groups, m, n, k, gen)
+    splits = torch.tensor(gg.balanced_splits(groups, m), device=DEVICE)
+    out = _out(op, groups, m, n, k, torch.float32)
+    _call(op, a, b, splits, "mxfp8", NAME, out=out)  # warm up: build, autotune-free, caches
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _call(op, a, b, splits, "mxfp8", NAME, out=out)
+    new = random_splits(groups, m, empty=2, generator=gen)
+    splits.copy_(torch.tensor(new))
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _call(op, a, b, new, "mxfp8", "reference", out_dtype=torch.float32)
+    assert sqnr_db(out, want) >= MIN_SQNR
+    assert not math.isnan(out.sum().item())
+
+
+def test_portable_inner_product_matches_mma(tmp_path, gen):
+    """The ROCm inner product (software E4M3 decode), compiled for this GPU, against mma.sync."""
+    arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
+    portable = build.compile_extension(arch, tmp_path, portable=True)
+    fast = build.ensure(arch, "cuda").module
+    groups, m, n, k = 3, 300, 200, 160
+    splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
+    ends = torch.cumsum(splits, 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((splits + 127) // 128, 0, dtype=torch.int32)
+    x = quantize_mx(torch.randn(m, k, generator=gen).to(DEVICE), "e4m3", axis=1)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(DEVICE), "e4m3")
+    outs = []
+    for module in (fast, portable):
+        out = poison(torch.empty(m, n, device=DEVICE))
+        module.rows_gemm(x.data, x.scale, w.data, w.scale, ends, tile_ends, 3 + groups, out)
+        outs.append(out)
+    want = gg.grouped_gemm(x, w, [100, 0, 200], recipe="mxfp8", out_dtype=torch.float32, backend="reference")
+    assert sqnr_db(outs[1], want) >= MIN_SQNR
+    assert sqnr_db(outs[1], outs[0]) >= 90.0
+
+
+def test_selected_by_dispatch_on_this_gpu():
+    d = gg.explain(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024)
+    assert d.candidate(NAME).eligible, d.table()

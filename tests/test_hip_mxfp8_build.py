@@ -1,0 +1,284 @@
+"""hip_mxfp8 on any machine: build outcomes as reasons, the cache key and lock, what it
+declares on described chips, and (where nvcc is installed) the compiled kernel's SASS.
+
+The kernels themselves run only on a GPU: tests/test_hip_mxfp8.py (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from grouped_gemm.backends.hip_mxfp8 import build
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
+
+import grouped_gemm as gg
+from grouped_gemm import cli
+
+CUDA_TORCH = torch.version.cuda is not None and torch.cuda.is_available()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A fresh cache directory and no remembered build outcomes, for one test."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv(build.CACHE_ENV, str(root))
+    build.forget()
+    yield root
+    build.forget()
+
+
+def _reasons(device: str, **kw) -> list[gg.Reason]:
+    fields = dict(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024, device=device)
+    fields.update(kw)
+    return list(gg.explain(**fields).candidate("hip_mxfp8").reasons)
+
+
+@pytest.mark.skipif(CUDA_TORCH, reason="checks the failure path of a torch that cannot build CUDA code")
+def test_cpu_torch_gives_a_build_reason_with_its_log(cache):
+    reasons = _reasons("sm_90")
+    assert [r.code for r in reasons] == ["build"]
+    message = reasons[0].message
+    assert "not a CUDA build" in message and torch.__version__ in message
+    log = Path(message.rsplit("log: ", 1)[1])
+    assert log.is_file() and log.parent.parent == cache
+    assert "not a CUDA build" in log.read_text()
+    table = gg.explain(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024, device="sm_90").table()
+    assert "[build]" in table and str(log) in table
+    # Decided once per process: the log is not rewritten by the next check.
+    log.write_text("kept\n")
+    assert _reasons("sm_90", m=999)[0].code == "build"
+    assert log.read_text() == "kept\n"
+
+
+@pytest.mark.skipif(CUDA_TORCH, reason="checks the failure path of a torch that cannot build CUDA code")
+def test_cli_build_and_backends_report_the_failure(cache, capsys):
+    assert cli.main(["build", "hip_mxfp8"]) == 1
+    printed = capsys.readouterr().out
+    assert printed.startswith("hip_mxfp8: not built: [build] ")
+    assert cli.main(["build", "reference"]) == 0
+    assert "nothing to build" in capsys.readouterr().out
+    assert cli.main(["backends", "--arch", "sm_90"]) == 0
+    listing = capsys.readouterr().out
+    section = listing.split("hip_mxfp8 ", 1)[1].split("\n\n", 1)[0]
+    assert "here: unavailable: [build]" in section
+    assert "status: not built for sm_90" in section
+
+
+def test_compile_failure_is_a_result_with_the_compiler_log(cache, monkeypatch):
+    monkeypatch.setattr(build, "blocker", lambda vendor: None)
+
+    def failing(arch: str, directory: Path) -> None:
+        raise RuntimeError("Error building extension 'x'\nbinding.cu(3): error: something is wrong")
+
+    outcome = build.attempt("sm_90", "cuda", failing)
+    assert not outcome.ok
+    assert outcome.error == "build failed: Error building extension 'x'"
+    assert outcome.log == build.build_dir("sm_90") / build.LOG_NAME
+    assert "binding.cu(3): error: something is wrong" in outcome.log.read_text()
+    reason = f"{outcome}"
+    assert "not built for sm_90" in reason and str(outcome.log) in reason
+
+
+def test_cache_root_and_key(cache, monkeypatch, tmp_path):
+    assert build.cache_root() == cache
+    monkeypatch.delenv(build.CACHE_ENV)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert build.cache_root() == tmp_path / "home" / ".cache" / "grouped_gemm"
+    key = build.build_key("sm_90")
+    assert re.fullmatch(r"hip_mxfp8-sm_90-torch[A-Za-z0-9._]+-[0-9a-f]{16}", key)
+    assert build.build_key("sm_89") != key and build.build_key("sm_89").replace("sm_89", "sm_90") == key
+    assert re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__) in key
+
+
+def test_source_hash_follows_every_source(monkeypatch, tmp_path):
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    before = build.source_hash()
+    for name in build.SOURCES:
+        path = copy / name
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        assert build.source_hash() != before, name
+        path.write_bytes(original)
+    assert build.source_hash() == before
+    assert sorted(p.name for p in build.CSRC.iterdir() if p.suffix in (".cu", ".cuh")) == sorted(build.SOURCES)
+
+
+_TWO_BUILDERS = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from grouped_gemm.backends.hip_mxfp8 import build
+
+    build.blocker = lambda vendor: None
+    count = Path(sys.argv[1])
+
+    def compile_once(arch, directory):
+        marker = directory / "built"
+        if not marker.exists():
+            with count.open("a") as f:
+                f.write("compile\\n")
+            time.sleep(1.0)
+            marker.write_text("ok")
+        return build  # any module stands in for the extension
+
+    print(build.attempt("sm_90", "cuda", compile_once).ok)
+    """
+)
+
+
+def test_two_processes_build_once(cache, tmp_path):
+    count = tmp_path / "compiles.txt"
+    env = {**os.environ, build.CACHE_ENV: str(cache)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _TWO_BUILDERS, str(count)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outputs == ["True", "True"]
+    assert count.read_text() == "compile\n"
+
+
+def test_locked_excludes_a_second_holder(tmp_path):
+    probe = textwrap.dedent(
+        """
+        import fcntl, sys
+        handle = open(sys.argv[1], "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("free")
+        except BlockingIOError:
+            print("held")
+        """
+    )
+    lock = tmp_path / "d" / ".lock"
+    with build.locked(tmp_path / "d"):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, check=True)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], capture_output=True, text=True, check=True)
+    assert (held.stdout.strip(), free.stdout.strip()) == ("held", "free")
+
+
+def _codes(reasons: list[gg.Reason]) -> list[str]:
+    return [r.code for r in reasons if r.code != "build"]
+
+
+def test_declared_on_cuda_archs(cache):
+    for arch in ("sm_89", "sm_90"):
+        assert _codes(_reasons(arch)) == []
+        assert _codes(_reasons(arch, n=200, k=136, splits="skewed", device_splits=True)) == []
+        assert _codes(_reasons(arch, op="wgrad", out_dtype="float32", accumulate=True)) == []
+    assert [r.code for r in _reasons("sm_80")] == ["arch"]
+    assert [r.code for r in _reasons("sm_100")] == ["arch"]
+    assert "placement" in [r.code for r in _reasons("cpu")]
+    assert [r.code for r in _reasons("sm_90", recipe="mxfp4")] == ["recipe"]
+    assert [r.code for r in _reasons("sm_90", recipe="bf16")] == ["recipe"]
+    assert _codes(_reasons("sm_90", out_dtype="float16")) == ["dtype"]
+
+
+def test_e5m2_gradients_are_refused(cache):
+    backend = HipMxfp8Backend()
+    problem = gg.describe_problem(op="dgrad", recipe="mxfp8", groups=4, m=256, n=256, k=256, device="sm_90")
+    reasons = backend.check(dataclasses.replace(problem, grad_format="e5m2"))
+    assert [r.code for r in reasons] == ["recipe"] and "e5m2" in reasons[0].message
+    assert _codes(backend.check(dataclasses.replace(problem, grad_format="e4m3"))) == []
+
+
+def test_wgrad_operand_kinds(cache):
+    backend = HipMxfp8Backend()
+    problem = gg.describe_problem(op="wgrad", recipe="mxfp8", groups=4, m=256, n=256, k=256, device="sm_90")
+    mixed = dataclasses.replace(problem, a_format="mx_e4m3")
+    assert [r.code for r in backend.check(mixed)] == ["layout"]
+    both = dataclasses.replace(problem, a_format="mx_e4m3", b_format="mx_e4m3")
+    assert _codes(backend.check(both)) == []
+    on_device = dataclasses.replace(both, host_splits=False)
+    reasons = backend.check(on_device)
+    assert [r.code for r in reasons] == ["layout"] and "host splits" in reasons[0].message
+
+
+def test_priority_per_arch():
+    backend = HipMxfp8Backend()
+    for arch, expected in (("sm_90", 30), ("sm_89", 30), ("gfx950", 10)):
+        problem = gg.describe_problem(groups=2, m=64, n=64, k=64, recipe="mxfp8", device=arch)
+        assert backend.priority(problem) == expected
+
+
+def test_gfx942_refused_for_fnuz(cache):
+    reasons = _reasons("gfx942", m=8 * 256, n=512, k=512)
+    assert [r.code for r in reasons] == ["arch"] and "FNUZ" in reasons[0].message
+
+
+def test_gfx950_declares_the_hipkittens_contract(cache):
+    def messages(**kw) -> list[str]:
+        return [str(r) for r in _reasons("gfx950", **kw) if r.code != "build"]
+
+    bad = messages(op="fwd", groups=513, m=513 * 256, n=200, k=160)
+    assert any("G=513 exceeds" in m for m in bad)
+    assert any("N=200 is not a multiple of 256" in m for m in bad)
+    assert any("K=160 is not a multiple of 128" in m for m in bad)
+    assert any("K=160 (the contraction) is below 256" in m for m in bad)
+    # dgrad contracts over N: N % 128, N >= 256, K (its output columns) % 256.
+    bad = messages(op="dgrad", m=8 * 256, n=384, k=384)
+    assert any("K=384 is not a multiple of 256" in m for m in bad)
+    assert not any("N=384" in m for m in bad)
+    bad = messages(op="wgrad", m=8 * 128, n=256, k=384)
+    assert any("K=384 is not a multiple of 256" in m for m in bad)
+    assert any("multiple of 128" in m for m in messages(op="wgrad", m=8 * 100, n=256, k=256))
+    assert any("multiple of 256" in m for m in messages(m=8 * 256, n=256, k=256, device_splits=True))
+    assert any("multiple of 256" in m for m in messages(m=8 * 200, n=256, k=256))
+    # Problem.m_align is capped at the largest m_multiple any backend declares (1 today),
+    # so even 256-row groups are refused on gfx950: conservative, never out of contract.
+    assert any("multiples of 1 only" in m for m in messages(m=8 * 256, n=256, k=256))
+
+
+_NVCC = shutil.which("nvcc")
+_CUOBJDUMP = shutil.which("cuobjdump") or next(
+    (str(p) for p in Path(sys.prefix).glob("lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump")), None
+)
+
+
+@pytest.mark.skipif(not (_NVCC and _CUOBJDUMP), reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize(
+    ("target", "defines", "instruction"),
+    [
+        ("sm_89", [], r"QMMA\.16832\.F32\.E4M3\.E4M3"),  # native fp8 mma.sync
+        ("sm_90a", [], r"F2FP\.F16\.E4M3\.UNPACK_B"),  # ptxas: e4m3 -> f16, then HMMA.16816
+        ("sm_90a", ["-DGG_MXFP8_PORTABLE"], r"FFMA"),  # the ROCm inner product, compiled for CUDA
+    ],
+)
+def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
+    unit = tmp_path / "unit.cu"
+    kernels = "\n".join(
+        f"template __global__ void gg_mxfp8::{decl};"
+        for decl in (
+            "rows_kernel<float>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, int, "
+            "int64_t, float*)",
+            "wgrad_kernel<uint16_t>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, uint16_t*, bool)",
+        )
+    )
+    unit.write_text(f'#include "mxfp8_grouped.cuh"\n{kernels}\n')
+    arch = target.removeprefix("sm_")
+    compiled = subprocess.run(
+        [_NVCC, "-std=c++17", "-O3", f"-I{build.CSRC}", f"-gencode=arch=compute_{arch},code={target}", "-Xptxas",
+         "-v", *defines, "-c", str(unit), "-o", str(tmp_path / "unit.o")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, compiled.stderr
+    sass = subprocess.run(
+        [_CUOBJDUMP, "--dump-sass", str(tmp_path / "unit.o")], capture_output=True, text=True, check=True
+    ).stdout
+    assert re.search(instruction, sass)
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    if target == "sm_90a" and not defines:
+        assert "HMMA.16816.F32" in sass
