@@ -21,6 +21,7 @@ from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from triton.runtime.interpreter import InterpretedFunction
 
+from grouped_gemm import Problem, Reason
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor
 
@@ -28,6 +29,17 @@ from grouped_gemm.mx import MXTensor
 def interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return isinstance(upcast_grouped_kernel, InterpretedFunction)
+
+
+def placement_reasons(problem: Problem) -> list[Reason]:
+    """Why the kernels cannot run where the problem's tensors live: CPU tensors need Triton's
+    interpreter, and the interpreter cannot run GPU tensors."""
+    interpreting = interpreted()
+    if problem.placement == "cpu" and not interpreting:
+        return [Reason("missing", "CPU tensors run only in Triton's interpreter; set TRITON_INTERPRET=1 before import")]
+    if problem.placement != "cpu" and interpreting:
+        return [Reason("missing", "TRITON_INTERPRET=1 is set: the kernels run only on CPU tensors")]
+    return []
 
 
 def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
