@@ -5,7 +5,7 @@ backend it registers: ``triton_mxfp4`` (MXFP4 weights: the mxfp4, a8w4 and a16w4
 recipes) and ``triton_mxfp8`` (the mxfp8 recipe: E4M3 activations and weights).
 ``tl.dot_scaled`` where the chip has MX MMA, a register-upcast kernel on Hopper (weights
 decoded exactly to bf16 in registers), Triton's interpreter on the CPU. See
-docs/triton_mxfp4.md.
+docs/triton_mxfp4.md and docs/triton_mxfp8.md.
 """
 
 from __future__ import annotations
