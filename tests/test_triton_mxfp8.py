@@ -469,26 +469,27 @@ def test_gpu_edge_scales_exact(ptx, gen):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_with_device_splits(gen):
-    """Device splits: no host sync, so fwd and wgrad (accumulating) can be captured and replayed."""
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_gpu_cuda_graph_with_device_splits(op, gen):
+    """Device splits: no host sync, so each op can be captured and replayed (wgrad
+    accumulating into an fp32 main_grad, its quantization inside the graph)."""
     device = torch.device("cuda")
-    g, n, k = 8, 512, 1024
-    splits = torch.tensor(gg.skewed_splits(g, 1000), device=device)
-    x = torch.randn(1000, k, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(1000, n, device=device, dtype=torch.bfloat16)
-    w = quantize_mx_weight(torch.randn(g, n, k, device=device), "e4m3")
-    out = torch.empty(1000, n, device=device)
-    main_grad = torch.zeros(g, n, k, device=device)
-    _call("fwd", x, w, splits, "mxfp8", NAME, out=out)  # compile and cache the layout first
-    _call("wgrad", dy, x, splits, "mxfp8", NAME, out=main_grad, accumulate=True)
+    g, n, k, m = 8, 512, 1024, 1000
+    splits = torch.tensor(gg.skewed_splits(g, m), device=device)
+    a, b = _operands(op, m, n, k, g, gen, device)
+    if op != "wgrad":
+        b = quantize_mx_weight(b, "e4m3", op=op)  # a fixed weight: its layout is cached before capture
+    out = torch.zeros(_out_shape(op, m, n, k, g), device=device)
+    accumulate = op == "wgrad"
+    _call(op, a, b, splits, "mxfp8", NAME, out=out, accumulate=accumulate)  # compile and cache first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _call("fwd", x, w, splits, "mxfp8", NAME, out=out)
-        _call("wgrad", dy, x, splits, "mxfp8", NAME, out=main_grad, accumulate=True)
-    poison(out)
-    main_grad.zero_()
+        _call(op, a, b, splits, "mxfp8", NAME, out=out, accumulate=accumulate)
+    if accumulate:
+        out.zero_()
+    else:
+        poison(out)
     graph.replay()
     torch.cuda.synchronize()
-    assert sqnr_db(out, _call("fwd", x, w, splits.tolist(), "mxfp8", "reference")) >= MIN_SQNR
-    assert sqnr_db(main_grad, _call("wgrad", dy, x, splits.tolist(), "mxfp8", "reference")) >= MIN_SQNR
     assert not math.isnan(out.sum().item())
+    assert sqnr_db(out, _call(op, a, b, splits.tolist(), "mxfp8", "reference")) >= MIN_SQNR
