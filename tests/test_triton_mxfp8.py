@@ -131,6 +131,19 @@ def test_e5m2_gradients(op, path, gen):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+def test_dgrad_with_unquantized_gradients(path, gen):
+    """grad_format None: bf16 dy multiplies the E4M3 weight as it is (exact in bf16)."""
+    recipe = gg.get_recipe("mxfp8").model_copy(update={"grad_format": None})
+    splits = [14, 0, 19]
+    dy = torch.randn(33, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(3, 64, 96, generator=gen)
+    with gg.use_device(PATHS[path]):
+        got = _call("dgrad", dy, w, splits, recipe, NAME, out=poison(torch.empty(33, 96)))
+    assert sqnr_db(got, _call("dgrad", dy, w, splits, recipe, "reference")) >= MIN_SQNR
+
+
+@needs_interpreter
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_outputs(out_dtype, gen):
     for op in ("fwd", "wgrad"):
@@ -375,6 +388,7 @@ def test_ineligible_problems_say_why(op, described, code):
     [
         ("dgrad", {"grad_format": "e2m1"}, "recipe"),
         ("wgrad", {"grad_format": None}, "recipe"),
+        ("dgrad", {"grad_format": None, "a_format": "float32"}, "dtype"),
         ("fwd", {"b_format": "mx_e2m1"}, "dtype"),
         ("fwd", {"a_format": "mx_e5m2"}, "dtype"),
         ("dgrad", {"a_format": "mx_e4m3", "grad_format": "e5m2"}, "dtype"),

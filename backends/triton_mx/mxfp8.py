@@ -1,5 +1,6 @@
 """The ``triton_mxfp8`` backend: the mxfp8 recipe (E4M3 activations and weights, E4M3 or
-E5M2 gradients) on the Triton MX kernels ``triton_mxfp4`` also runs.
+E5M2 gradients; dgrad also with grad_format None, dy unquantized in bf16) on the Triton MX
+kernels ``triton_mxfp4`` also runs.
 
 Path by chip (``Problem.device``): with MX block-scaled MMA (``DeviceInfo.has("scaled_mma")``:
 gfx950, sm_100) the ``tl.dot_scaled`` kernel, E4M3 (or E5M2) x E4M3; otherwise (sm_90, and
@@ -53,8 +54,10 @@ class TritonMxfp8Backend(Backend):
 
     def check(self, problem: Problem) -> list[Reason]:
         reasons = launch.placement_reasons(problem)
-        if problem.op != "fwd" and problem.grad_format not in _GRAD_FORMATS:
-            reasons.append(Reason("recipe", f"grad_format is {problem.grad_format}; this backend runs e4m3 or e5m2"))
+        grad = problem.grad_format
+        if (problem.op == "wgrad" and grad not in _GRAD_FORMATS) or (problem.op == "dgrad" and grad == "e2m1"):
+            allowed = "e4m3 or e5m2" if problem.op == "wgrad" else "e4m3, e5m2 or None (dy unquantized, bf16)"
+            reasons.append(Reason("recipe", f"{problem.op} with grad_format {grad}; this backend runs {allowed}"))
         if problem.op == "wgrad":
             if problem.a_format.startswith("mx_") or problem.b_format.startswith("mx_"):
                 reasons.append(
@@ -66,7 +69,11 @@ class TritonMxfp8Backend(Backend):
             return reasons
         name = "x" if problem.op == "fwd" else "dy"
         fmt = operands.lhs_format(problem)
-        if problem.a_format.startswith("mx_") and problem.a_format != f"mx_{fmt}":
+        if fmt is None and problem.a_format != "bfloat16":
+            reasons.append(
+                Reason("dtype", f"grad_format None multiplies dy unquantized; dy is {problem.a_format}, needs bfloat16")
+            )
+        elif problem.a_format.startswith("mx_") and problem.a_format != f"mx_{fmt}":
             reasons.append(
                 Reason("dtype", f"{name} is pre-quantized {problem.a_format[3:]}; recipe {problem.recipe} needs {fmt}")
             )
