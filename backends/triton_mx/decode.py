@@ -27,6 +27,10 @@ nonzero normal codes and scale bytes in [2, 252]: zero and the E2M1 subnormal 0.
 selects, and packed 16-bit lanes need carries masked. The two multiplies cost one
 ``mul.bf16x2`` per element pair each, fewer instructions than those fix-ups, and are exact
 everywhere, so the kernel uses them. (Instruction mix: docs/notes/triton_mxfp4.md.)
+
+The E4M3 weights of ``triton_mxfp8`` come as int64 words of eight E4M3 bytes (the same
+fragment positions: ``layouts_e4m3``), decoded the same two ways (``e4m3_words_to_bf16``
+and ``e4m3_words_to_bf16_ptx``): there the bf16 bit trick yields value * 2^-120.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import triton.language as tl
 
 #: 2^126: the E2M1-in-bf16 bit trick above yields value * 2^-126.
 TWO_POW_126 = tl.constexpr(8.507059173023462e37)
+#: 2^-120: undoes the 2^120 an E4M3 ``FOLD`` multiplier carries (``e8m0_to_bf16x2``).
+TWO_POW_MINUS_120 = tl.constexpr(7.52316384526264e-37)
 
 
 @triton.jit
@@ -70,18 +76,26 @@ def e4m3_to_fp32(codes):
 
 
 @triton.jit
-def e8m0_to_bf16x2(e, FOLD: tl.constexpr):
+def e5m2_to_fp32(codes):
+    """E5M2 bytes -> fp32 values (exact): an E5M2 byte is the top byte of the fp16 with the
+    same value (infinities and NaNs included)."""
+    return (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_to_bf16x2(e, FOLD: tl.constexpr, SHIFT: tl.constexpr = 126):
     """E8M0 bytes -> int32 holding the bf16 multiplier of the decode in both 16-bit halves
     (the scale operand of ``mul.bf16x2``).
 
     Without ``FOLD``: 2^(e - 127); byte 0 is 2^-127 (a bf16 subnormal), 0xFF is NaN.
     ``e * 0x00800080`` puts e in both exponent fields; the two special bytes (those with
     ``e - 1`` outside [0, 253] as unsigned) also get the mantissa bit 0x40.
-    With ``FOLD`` (every byte of the weight is at most 128): 2^(e - 1) = 2^126 * 2^(e - 127),
-    the decode's 2^126 folded in; exponent field e + 126 is in [126, 254], always normal."""
+    With ``FOLD``: 2^(e - 127 + SHIFT), the decode's 2^SHIFT folded in (E2M1: 126, E4M3:
+    120); the caller guarantees e + SHIFT <= 254 (E2M1: bytes <= 128, E4M3: <= 134), so
+    the exponent field is always normal."""
     t = e.to(tl.uint32)
     if FOLD:
-        return ((t + 126) * 0x00800080).to(tl.int32, bitcast=True)
+        return ((t + SHIFT) * 0x00800080).to(tl.int32, bitcast=True)
     both = t * 0x00800080
     special = (t - 1) > 253
     return tl.where(special, both | 0x00400040, both).to(tl.int32, bitcast=True)
@@ -146,6 +160,74 @@ def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
     return tl.inline_asm_elementwise(
         asm=WORDS_PTX_FOLDED if FOLD else WORDS_PTX,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[words, scale_bits],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _byte_to_bf16(words, i: tl.constexpr, factor):
+    return (e4m3_to_fp32((words >> (8 * i)) & 0xFF) * factor).to(tl.bfloat16)
+
+
+@triton.jit
+def e4m3_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
+    """int64 words of eight E4M3 bytes -> eight bf16 tensors, each value times its word's
+    scale, in the nibble order of ``e2m1_words_to_bf16``: output ``j + 4h`` is byte
+    ``2j + h`` (``layouts_e4m3`` stores element pair (k, k + 1) in bytes 2j, 2j + 1).
+    ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD, 120)``. Portable version."""
+    factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    if FOLD:
+        factor = factor * TWO_POW_MINUS_120  # 2^(e - 7) -> 2^(e - 127), exact in fp32
+    w = words.to(tl.uint64, bitcast=True)
+    return (
+        _byte_to_bf16(w, 0, factor),
+        _byte_to_bf16(w, 2, factor),
+        _byte_to_bf16(w, 4, factor),
+        _byte_to_bf16(w, 6, factor),
+        _byte_to_bf16(w, 1, factor),
+        _byte_to_bf16(w, 3, factor),
+        _byte_to_bf16(w, 5, factor),
+        _byte_to_bf16(w, 7, factor),
+    )
+
+
+def _e4m3_words_ptx(fold: bool) -> str:
+    """PTX of the E4M3 word decode. Per byte pair (2j, 2j + 1) of the 64-bit word, one
+    ``prmt`` puts byte 2j in the low byte of the low 16-bit lane and its sign replicated in
+    the lane's high byte (byte 2j + 1 likewise in the high lane); shifting left by 4 and
+    masking with 0x87F0 per lane leaves sign at bit 15 and the seven exponent / mantissa
+    bits at 4..10: the bf16 pattern of the E4M3 value times 2^-120, for normal and
+    subnormal codes alike (an E4M3 subnormal m/8 * 2^-6 lands on the bf16 subnormal
+    m/8 * 2^-126). Then multiply by 2^120 (unless folded into the scale) and by the scale:
+    powers of two, so exact, the product rounding only where the true value leaves bf16's
+    range, as ``MXTensor.dequantize`` does. E4M3 NaN codes (0x7F, 0xFF) decode as 480: the
+    layout builder gives blocks that hold one a NaN scale instead (``layouts_e4m3``).
+    3 integer instructions per pair."""
+    lines = ["{", ".reg .b32 lo, hi, x, v, big, p0, p1, p2, p3;", "mov.b64 {lo, hi}, $8;", "mov.b32 big, 0x7b807b80;"]
+    for j, (src, sel) in enumerate((("lo", "0x9180"), ("lo", "0xB3A2"), ("hi", "0x9180"), ("hi", "0xB3A2"))):
+        lines += [f"prmt.b32 x, {src}, 0, {sel};", "shl.b32 x, x, 4;", "and.b32 v, x, 0x87f087f0;"]
+        if not fold:
+            lines.append("mul.rn.bf16x2 v, v, big;")
+        lines.append(f"mul.rn.bf16x2 p{j}, v, $9;")
+    lines += [f"mov.b32 {{${j}, ${j + 4}}}, p{j};" for j in range(4)]
+    return "\n".join([*lines, "}"])
+
+
+E4M3_WORDS_PTX = tl.constexpr(_e4m3_words_ptx(fold=False))
+E4M3_WORDS_PTX_FOLDED = tl.constexpr(_e4m3_words_ptx(fold=True))
+
+
+@triton.jit
+def e4m3_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
+    """sm_90 version of ``e4m3_words_to_bf16`` (see ``_e4m3_words_ptx``); same results on
+    every non-NaN code."""
+    # $0..$7: outputs; $8: the 64-bit word; $9: the multiplier as bf16 in both halves.
+    return tl.inline_asm_elementwise(
+        asm=E4M3_WORDS_PTX_FOLDED if FOLD else E4M3_WORDS_PTX,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,l,r",
         args=[words, scale_bits],
         dtype=(tl.bfloat16,) * 8,
         is_pure=True,

@@ -14,6 +14,7 @@ that same layout as stored (8-byte E4M3 / 4-byte E2M1 loads, so no shared-memory
 between load and store); E2M1 nibbles are split once and interleaved in registers
 (``tl.join`` + ``reshape``; along axis 0 they are even and odd rows). Each vector loads its
 scale byte(s) directly (L1 hits: one 32-block spans 4 vectors), not through a gather tile.
+- E5M2 is the top byte of an fp16 (one shift and a widening conversion, exact).
 - E4M3 uses the hardware conversion (``HW_E4M3``, sm_89+: exact, 0x7F / 0xFF to NaN);
   the portable integer decode of ``decode.py`` serves the interpreter and other targets.
 - The value times its scale is computed in fp32 and rounded once to bf16, as
@@ -27,7 +28,7 @@ import dataclasses
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 
 
 @triton.jit
@@ -38,9 +39,11 @@ def _vectors(start, N: tl.constexpr, V: tl.constexpr):
 
 @triton.jit
 def _decode(codes, FMT: tl.constexpr, HW_E4M3: tl.constexpr):
-    """Element codes (E2M1 nibbles or E4M3 bytes, uint8) -> fp32 values (exact)."""
+    """Element codes (E2M1 nibbles, E4M3 or E5M2 bytes, uint8) -> fp32 values (exact)."""
     if FMT == "e2m1":
         return e2m1_to_fp32(codes)
+    if FMT == "e5m2":
+        return e5m2_to_fp32(codes)
     if HW_E4M3:
         return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return e4m3_to_fp32(codes)

@@ -21,6 +21,7 @@ from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from triton.runtime.interpreter import InterpretedFunction
 
+from grouped_gemm import Problem, Reason
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor
 
@@ -28,6 +29,17 @@ from grouped_gemm.mx import MXTensor
 def interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return isinstance(upcast_grouped_kernel, InterpretedFunction)
+
+
+def placement_reasons(problem: Problem) -> list[Reason]:
+    """Why the kernels cannot run where the problem's tensors live: CPU tensors need Triton's
+    interpreter, and the interpreter cannot run GPU tensors."""
+    interpreting = interpreted()
+    if problem.placement == "cpu" and not interpreting:
+        return [Reason("missing", "CPU tensors run only in Triton's interpreter; set TRITON_INTERPRET=1 before import")]
+    if problem.placement != "cpu" and interpreting:
+        return [Reason("missing", "TRITON_INTERPRET=1 is set: the kernels run only on CPU tensors")]
+    return []
 
 
 def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -122,6 +134,7 @@ def launch_upcast(
         EVEN_K=w.k_red % (32 * cfg.blocks) == 0,
         PTX=ptx_decode(a.device),
         FOLD=w.small_scales,
+        W_FMT=w.fmt,
         INTERP=interpreted(),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
@@ -163,7 +176,7 @@ def launch_scaled(
     config: ScaledConfig | None = None,
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` through ``tl.dot_scaled``; ``w`` is the
-    E2M1 MXTensor quantized along the contraction (axis 2: fwd, axis 1: dgrad)."""
+    E2M1 or E4M3 MXTensor quantized along the contraction (axis 2: fwd, axis 1: dgrad)."""
     if isinstance(a, MXTensor):
         a_data, a_scale, a_fmt, m = _u8(a.data), a.scale, a.fmt, a.shape[0]
         a_scale_stride = a_scale.stride(0)
@@ -176,7 +189,7 @@ def launch_scaled(
     cfg = config or scaled_config(m, groups)
     bk = block_k_for(k_red)
     # Weight data / scale strides as (group, contraction, output column).
-    wd, ws = w.data, w.scale
+    wd, ws = _u8(w.data), w.scale
     w_strides = (wd.stride(0), wd.stride(2), wd.stride(1)) if fwd else (wd.stride(0), wd.stride(1), wd.stride(2))
     s_strides = (ws.stride(0), ws.stride(2), ws.stride(1)) if fwd else (ws.stride(0), ws.stride(1), ws.stride(2))
     col_tiles = triton.cdiv(n_out, cfg.bn)
@@ -200,6 +213,7 @@ def launch_scaled(
         BN=cfg.bn,
         BK=bk,
         A_FMT=a_fmt,
+        W_FMT=w.fmt,
         MAX_G=max_groups_bucket(groups),
         NUM_PROGS=programs,
         EVEN_K=k_red % bk == 0,
@@ -267,8 +281,9 @@ def launch_wgrad(
     accumulate: bool,
     config: WgradConfig | None = None,
 ) -> torch.Tensor:
-    """``out[g] (+)= dy_g^T @ x_g`` over the padded token layout: MX operands (dot_scaled)
-    or their bf16 decodes (plain dot)."""
+    """``out[g] (+)= dy_g^T @ x_g`` over the padded token layout: MX operands (dot_scaled;
+    dy and x may differ in format, e.g. E5M2 gradients and E4M3 activations) or their bf16
+    decodes (plain dot)."""
     mx = isinstance(dy, MXTensor)
     dyd, xd = (_u8(dy.data), _u8(x.data)) if mx else (dy, x)
     dys, xs = (dy.scale, x.scale) if mx else (dy, x)
@@ -295,7 +310,8 @@ def launch_wgrad(
         BN=cfg.bn,
         BK=cfg.bk,
         BT=cfg.bt,
-        FMT="e2m1" if mx else "bf16",
+        DY_FMT=dy.fmt if mx else "bf16",
+        X_FMT=x.fmt if mx else "bf16",
         ACCUMULATE=accumulate,
         NUM_PROGS=programs,
         INTERP=interpreted(),

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 import triton
@@ -63,6 +64,8 @@ class UpcastWeight:
     k_red: int
     k_padded: int
     small_scales: bool = False
+    #: Element format: "e2m1" (int32 words, built here) or "e4m3" (int64 words: ``layouts_e4m3``).
+    fmt: str = "e2m1"
 
 
 def _empty_layout(groups: int, rows: int, k_red: int, device: torch.device, run_major: bool) -> UpcastWeight:
@@ -175,15 +178,15 @@ _cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[int, int], UpcastWeight]
 _lock = threading.Lock()
 
 
-def upcast_weight(mx: MXTensor) -> UpcastWeight:
-    """``build_upcast_weight(mx, check_scales=True)``, computed once per MXTensor object and
-    tensor version."""
+def upcast_weight(mx: MXTensor, build: Callable[..., UpcastWeight] | None = None) -> UpcastWeight:
+    """``build(mx, check_scales=True)`` (default ``build_upcast_weight``), computed once per
+    MXTensor object and tensor version."""
     version = (mx.data._version, mx.scale._version)
     with _lock:
         hit = _cache.get(mx)
     if hit is not None and hit[0] == version:
         return hit[1]
-    layout = build_upcast_weight(mx, check_scales=True)
+    layout = (build or build_upcast_weight)(mx, check_scales=True)
     with _lock:
         _cache[mx] = (version, layout)
     return layout

@@ -46,14 +46,7 @@ class TritonMxfp4Backend(Backend):
     )
 
     def check(self, problem: Problem) -> list[Reason]:
-        reasons = []
-        interpreting = launch.interpreted()
-        if problem.placement == "cpu" and not interpreting:
-            reasons.append(
-                Reason("missing", "CPU tensors run only in Triton's interpreter; set TRITON_INTERPRET=1 before import")
-            )
-        if problem.placement != "cpu" and interpreting:
-            reasons.append(Reason("missing", "TRITON_INTERPRET=1 is set: the kernels run only on CPU tensors"))
+        reasons = launch.placement_reasons(problem)
         if problem.op == "wgrad":
             reasons += _wgrad_reasons(problem)
         else:

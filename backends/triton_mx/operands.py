@@ -9,15 +9,16 @@ Which format goes where (DESIGN section 2, recipes.py):
 ==========  ==================  =======================  ========================
 recipe      fwd x (along K)     dgrad dy (along N)       w (fwd: along K; dgrad: N)
 ==========  ==================  =======================  ========================
+mxfp8       E4M3                grad_format (E4M3)       E4M3
 mxfp4       E2M1                grad_format (E2M1)       E2M1
 a8w4        E4M3                grad_format (E4M3)       E2M1
 a16w4       bf16, unquantized   bf16, unquantized        E2M1
 ==========  ==================  =======================  ========================
 
-wgrad (mxfp4 only): dy and x quantized to E2M1 along the tokens, each group's rows padded
-to a multiple of 32 so no block straddles two groups (``gg.quantize_mx_rows``). a8w4's wgrad
-(E4M3 x E4M3) and a16w4's (bf16 x bf16) have no E2M1 operand and are left to other
-backends (``backend.check`` says so).
+wgrad (mxfp4, mxfp8): dy quantized to grad_format and x to the activation format along
+the tokens, each group's rows padded to a multiple of 32 so no block straddles two groups
+(``gg.quantize_mx_rows``). a8w4's wgrad (E4M3 x E4M3) and a16w4's (bf16 x bf16) have no
+E2M1 operand and are left to other backends (``triton_mxfp4``'s check says so).
 """
 
 from __future__ import annotations
@@ -59,18 +60,20 @@ def activation(problem: Problem, a: torch.Tensor | MXTensor, name: str) -> torch
 
 
 def weight(problem: Problem, w: torch.Tensor | MXTensor) -> MXTensor:
-    """The (G, N, K) E2M1 weight blocked along K (fwd) or N (dgrad)."""
+    """The (G, N, K) weight in the recipe's format (E2M1 or E4M3) blocked along K (fwd) or
+    N (dgrad)."""
     axis = 2 if problem.op == "fwd" else 1
+    fmt = get_recipe(problem.recipe).weight_format
     if isinstance(w, MXTensor):
-        if w.fmt != "e2m1" or w.ndim != 3 or w.axis != axis or w.pad or w.block_size != BLOCK:
+        if w.fmt != fmt or w.ndim != 3 or w.axis != axis or w.pad or w.block_size != BLOCK:
             raise InvalidArgumentError(
                 "w",
                 w,
-                f"a (G, N, K) e2m1 MXTensor with blocks of {BLOCK} along axis {axis} "
+                f"a (G, N, K) {fmt} MXTensor with blocks of {BLOCK} along axis {axis} "
                 f"({'K' if axis == 2 else 'N'}, the {problem.op} contraction), no padding",
             )
         return w
-    return quantize_mx_weight(w, "e2m1", op=problem.op, scale_rule=problem.scale_rule)
+    return quantize_mx_weight(w, fmt, op=problem.op, scale_rule=problem.scale_rule)
 
 
 def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
@@ -86,8 +89,10 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
 def wgrad_operands(
     problem: Problem, dy: torch.Tensor, x: torch.Tensor, m_splits: list[int] | torch.Tensor
 ) -> tuple[MXTensor, MXTensor, torch.Tensor]:
-    """dy and x quantized to E2M1 along the tokens, each group padded to 32 rows
-    (``gg.quantize_mx_rows``), and the padded cumulative group ends (G,) int32."""
-    dy_rows = quantize_mx_rows(dy, m_splits, "e2m1", align=BLOCK, scale_rule=problem.scale_rule)
-    x_rows = quantize_mx_rows(x, m_splits, "e2m1", align=BLOCK, scale_rule=problem.scale_rule)
+    """dy (grad_format) and x (the recipe's activation format) quantized along the tokens,
+    each group padded to 32 rows (``gg.quantize_mx_rows``), and the padded cumulative group
+    ends (G,) int32."""
+    x_format = get_recipe(problem.recipe).act_format
+    dy_rows = quantize_mx_rows(dy, m_splits, problem.grad_format, align=BLOCK, scale_rule=problem.scale_rule)
+    x_rows = quantize_mx_rows(x, m_splits, x_format, align=BLOCK, scale_rule=problem.scale_rule)
     return dy_rows.tensor, x_rows.tensor, dy_rows.padded_offsets[1:]

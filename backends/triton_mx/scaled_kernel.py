@@ -1,9 +1,10 @@
 """Grouped fwd / dgrad kernel on ``tl.dot_scaled`` (chips with MX block-scaled MMA: gfx950, sm_100).
 
-``out[rows of g, :] = a[rows of g, :] @ W_g^T`` where ``a`` is bf16, E4M3 or packed E2M1 with
-its E8M0 scales along the contraction, and ``W_g`` is an E2M1 weight read straight from
-its ``MXTensor`` (no re-layout): fwd passes the weight quantized along K (data (G, N, K/2)),
-dgrad the weight quantized along N (data (G, N/2, K)); the strides say which.
+``out[rows of g, :] = a[rows of g, :] @ W_g^T`` where ``a`` is bf16, E4M3, E5M2 or packed E2M1
+with its E8M0 scales along the contraction, and ``W_g`` is an E2M1 (``triton_mxfp4``) or
+E4M3 (``triton_mxfp8``, ``W_FMT``) weight read straight from its ``MXTensor`` (no
+re-layout): fwd passes the weight quantized along K (data (G, N, K / per byte)), dgrad
+the weight quantized along N (data (G, N / per byte, K)); the strides say which.
 
 Triton's interpreter has no ``dot_scaled`` (triton 3.6: ``InterpreterBuilder`` lacks
 ``create_dot_scaled``, and the format strings reach the interpreter unwrapped); with
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
 
@@ -33,19 +34,28 @@ def _unpack_last(packed):
 
 
 @triton.jit
-def emulated_dot_scaled(lhs, lhs_scale, LHS_FMT: tl.constexpr, rhs, rhs_scale, acc):
-    """``tl.dot_scaled(lhs, lhs_scale, LHS_FMT, rhs, rhs_scale, "e2m1", acc)`` from exact
-    fp32 decodes (both operands packed along the contraction)."""
-    BM: tl.constexpr = lhs.shape[0]
-    BN: tl.constexpr = rhs.shape[1]
-    BK: tl.constexpr = 2 * rhs.shape[0]
-    if LHS_FMT == "e2m1":
-        a = _unpack_last(lhs) * _expand_blocks(e8m0_to_fp32(lhs_scale), BM, BK // 32)
-    elif LHS_FMT == "e4m3":
-        a = e4m3_to_fp32(lhs) * _expand_blocks(e8m0_to_fp32(lhs_scale), BM, BK // 32)
+def _mx_values(codes, scale, FMT: tl.constexpr):
+    """(R, C) codes of an MX format, packed along the last axis, and their (R, blocks)
+    E8M0 scales -> the (R, K) fp32 values (exact); bf16 / fp16 tiles are just widened."""
+    if FMT == "bf16" or FMT == "fp16":
+        v = codes.to(tl.float32)
     else:
-        a = lhs.to(tl.float32)
-    b = tl.trans(_unpack_last(tl.trans(rhs)) * _expand_blocks(e8m0_to_fp32(rhs_scale), BN, BK // 32))
+        if FMT == "e2m1":
+            v = _unpack_last(codes)
+        elif FMT == "e4m3":
+            v = e4m3_to_fp32(codes)
+        else:
+            v = e5m2_to_fp32(codes)
+        v = v * _expand_blocks(e8m0_to_fp32(scale), v.shape[0], v.shape[1] // 32)
+    return v
+
+
+@triton.jit
+def emulated_dot_scaled(lhs, lhs_scale, LHS_FMT: tl.constexpr, rhs, rhs_scale, RHS_FMT: tl.constexpr, acc):
+    """``tl.dot_scaled(lhs, lhs_scale, LHS_FMT, rhs, rhs_scale, RHS_FMT, acc)`` from exact
+    fp32 decodes (both operands packed along the contraction)."""
+    a = _mx_values(lhs, lhs_scale, LHS_FMT)
+    b = tl.trans(_mx_values(tl.trans(rhs), rhs_scale, RHS_FMT))
     return tl.dot(a, b, acc, input_precision="ieee")
 
 
@@ -67,13 +77,15 @@ def _step(
     k_red,
     BK: tl.constexpr,
     A_FMT: tl.constexpr,
+    W_FMT: tl.constexpr,
     EVEN_K: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """One contraction step of BK elements."""
     A_PER_BYTE: tl.constexpr = 2 if A_FMT == "e2m1" else 1
+    W_PER_BYTE: tl.constexpr = 2 if W_FMT == "e2m1" else 1
     ka = k // A_PER_BYTE + tl.arange(0, BK // A_PER_BYTE)
-    kw = k // 2 + tl.arange(0, BK // 2)
+    kw = k // W_PER_BYTE + tl.arange(0, BK // W_PER_BYTE)
     kb = k // 32 + tl.arange(0, BK // 32)
     if EVEN_K:
         a_ok = m_ok[:, None]
@@ -81,7 +93,7 @@ def _step(
         ws_ok = n_ok[:, None]
     else:
         a_ok = m_ok[:, None] & (ka * A_PER_BYTE < k_red)[None, :]
-        w_ok = n_ok[None, :] & (kw * 2 < k_red)[:, None]
+        w_ok = n_ok[None, :] & (kw * W_PER_BYTE < k_red)[:, None]
         ws_ok = n_ok[:, None] & (kb * 32 < k_red)[None, :]
     a = tl.load(A + rows64[:, None] * stride_am + ka[None, :], mask=a_ok, other=0)
     w = tl.load(w_cols[None, :] + kw.to(tl.int64)[:, None] * stride_wk, mask=w_ok, other=0)
@@ -92,9 +104,9 @@ def _step(
         as_ok = m_ok[:, None] if EVEN_K else m_ok[:, None] & (kb * 32 < k_red)[None, :]
         a_scale = tl.load(AS + rows64[:, None] * stride_asm + kb[None, :], mask=as_ok, other=0)
     if EMULATE:
-        acc = emulated_dot_scaled(a, a_scale, A_FMT, w, w_scale, acc)
+        acc = emulated_dot_scaled(a, a_scale, A_FMT, w, w_scale, W_FMT, acc)
     else:
-        acc = tl.dot_scaled(a, a_scale, A_FMT, w, w_scale, "e2m1", acc)
+        acc = tl.dot_scaled(a, a_scale, A_FMT, w, w_scale, W_FMT, acc)
     return acc
 
 
@@ -122,6 +134,7 @@ def scaled_grouped_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     A_FMT: tl.constexpr,
+    W_FMT: tl.constexpr,
     MAX_G: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -159,6 +172,7 @@ def scaled_grouped_kernel(
                     k_red,
                     BK,
                     A_FMT,
+                    W_FMT,
                     EVEN_K,
                     INTERP,
                 )
@@ -182,6 +196,7 @@ def scaled_grouped_kernel(
                     k_red,
                     BK,
                     A_FMT,
+                    W_FMT,
                     EVEN_K,
                     INTERP,
                 )

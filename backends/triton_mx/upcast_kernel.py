@@ -1,4 +1,4 @@
-"""Hopper (sm_90) grouped kernel: bf16 activations x E2M1 weights, weights upcast in registers.
+"""Hopper (sm_90) grouped kernel: bf16 activations x E2M1 or E4M3 weights, weights upcast in registers.
 
 ``out[rows of g, :] = a[rows of g, :] @ W_g^T`` with ``W_g`` (Nr, Kc) in the upcast layout
 (``layouts.UpcastWeight``: int32 words of eight E2M1 codes arranged like wgmma's register
@@ -9,7 +9,9 @@ the software-pipelined shared-memory loads (cp.async; the words 16 bytes per thr
 128 contraction elements).
 
 The same kernel serves fwd (weight quantized along K) and dgrad (weight quantized along N,
-laid out as (K, N)): only the layout differs.
+laid out as (K, N)): only the layout differs. ``W_FMT`` picks the weight format: E2M1
+(``layouts``: int32 words of eight codes) or E4M3 (``layouts_e4m3``: int64 words of eight
+bytes at the same fragment positions, so everything but the decode is shared).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from grouped_gemm.backends.triton_mx.decode import (
     bf16_dot,
     e2m1_words_to_bf16,
     e2m1_words_to_bf16_ptx,
+    e4m3_words_to_bf16,
+    e4m3_words_to_bf16_ptx,
     e8m0_to_bf16x2,
 )
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
@@ -33,14 +37,21 @@ def _concat_k(a, b):
 
 
 @triton.jit
-def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, W_FMT: tl.constexpr = "e2m1"):
     """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
-    values in contraction order: nibble j + 4h of word q is element 8j + 2q + h."""
-    scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD)[:, None]
-    if PTX:
-        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale, FOLD)
+    values in contraction order: decoded value j + 4h of word q is element 8j + 2q + h."""
+    if W_FMT == "e2m1":
+        scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD)[:, None]
+        if PTX:
+            o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16_ptx(words, scale, FOLD)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale, FOLD)
     else:
-        o0, o1, o2, o3, o4, o5, o6, o7 = e2m1_words_to_bf16(words, scale, FOLD)
+        scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD, 120)[:, None]
+        if PTX:
+            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16_ptx(words, scale, FOLD)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16(words, scale, FOLD)
     hj = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
     # row, q, h, j bit 0, j bit 1 -> row, j bit 1, j bit 0, q, h
     return hj.permute(0, 4, 3, 1, 2).reshape(words.shape[0], 32)
@@ -62,6 +73,7 @@ def _step(
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
+    W_FMT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
@@ -77,13 +89,15 @@ def _step(
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)
-        w = _concat_k(_block(w0, run_scales, 0, PTX, FOLD), _block(w1, run_scales, 1, PTX, FOLD))
+        w = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
     else:
         w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
         w0, w2 = tl.split(w02)
         w1, w3 = tl.split(w13)
-        w01 = _concat_k(_block(w0, run_scales, 0, PTX, FOLD), _block(w1, run_scales, 1, PTX, FOLD))
-        w = _concat_k(w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD), _block(w3, run_scales, 3, PTX, FOLD)))
+        w01 = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
+        w = _concat_k(
+            w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD, W_FMT), _block(w3, run_scales, 3, PTX, FOLD, W_FMT))
+        )
     kk = k + tl.arange(0, BK)
     x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
     x = tl.load(a_rows[None, :] + kk[:, None], mask=x_ok, other=0.0)
@@ -115,6 +129,7 @@ def upcast_grouped_kernel(
     EVEN_K: tl.constexpr,
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
+    W_FMT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     BK: tl.constexpr = 32 * BLOCKS
@@ -148,6 +163,7 @@ def upcast_grouped_kernel(
                     EVEN_K,
                     PTX,
                     FOLD,
+                    W_FMT,
                     INTERP,
                 )
                 k += BK
@@ -168,6 +184,7 @@ def upcast_grouped_kernel(
                     EVEN_K,
                     PTX,
                     FOLD,
+                    W_FMT,
                     INTERP,
                 )
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]

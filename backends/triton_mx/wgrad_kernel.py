@@ -2,10 +2,11 @@
 
 Both operands come in the padded token layout: every group's rows start at a multiple of 32
 (``PEnds`` are the padded cumulative ends, on the device) and the padding rows are zeros.
-With ``FMT == "e2m1"`` the operands are E2M1 quantized along the tokens (data packed two
-tokens per byte, (Mp/2, N) and (Mp/2, K); scales (Mp/32, N), (Mp/32, K)) and the product is
-``tl.dot_scaled`` (or its fp32 emulation in the interpreter); with ``FMT == "bf16"`` they are
-the exact bf16 decodes of those tensors (the Hopper path) and the product is ``tl.dot``.
+With MX formats (``DY_FMT`` / ``X_FMT``: E2M1, E4M3 or E5M2) the operands are quantized
+along the tokens (E2M1 data packed two tokens per byte, (Mp/2, N) and (Mp/2, K); the 8-bit
+formats one token per byte; scales (Mp/32, N), (Mp/32, K)) and the product is
+``tl.dot_scaled`` (or its fp32 emulation in the interpreter); with ``"bf16"`` they are the
+exact bf16 decodes of those tensors (the Hopper path) and the product is ``tl.dot``.
 
 Tiles are (group, N tile, K tile), group-major so programs running together share a
 group's tokens in L2. With ``ACCUMULATE`` the tile is added to ``Out`` (for example an fp32
@@ -38,18 +39,20 @@ def _step(
     n_ok,
     k_ok,
     BT: tl.constexpr,
-    FMT: tl.constexpr,
+    DY_FMT: tl.constexpr,
+    X_FMT: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """BT tokens of the contraction (a multiple of 32, starting on a 32-row boundary)."""
-    PER_BYTE: tl.constexpr = 2 if FMT == "e2m1" else 1
-    tok = t0 // PER_BYTE + tl.arange(0, BT // PER_BYTE)
-    tok_ok = tok * PER_BYTE < last
-    dy = tl.load(
-        DY + tok.to(tl.int64)[:, None] * stride_dym + rn[None, :], mask=tok_ok[:, None] & n_ok[None, :], other=0
-    )
-    x = tl.load(X + tok.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0)
-    if FMT == "bf16":
+    DY_PER_BYTE: tl.constexpr = 2 if DY_FMT == "e2m1" else 1
+    X_PER_BYTE: tl.constexpr = 2 if X_FMT == "e2m1" else 1
+    dy_tok = t0 // DY_PER_BYTE + tl.arange(0, BT // DY_PER_BYTE)
+    x_tok = t0 // X_PER_BYTE + tl.arange(0, BT // X_PER_BYTE)
+    dy_ok = (dy_tok * DY_PER_BYTE < last)[:, None] & n_ok[None, :]
+    x_ok = (x_tok * X_PER_BYTE < last)[:, None] & k_ok[None, :]
+    dy = tl.load(DY + dy_tok.to(tl.int64)[:, None] * stride_dym + rn[None, :], mask=dy_ok, other=0)
+    x = tl.load(X + x_tok.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=x_ok, other=0)
+    if DY_FMT == "bf16":
         acc = bf16_dot(tl.trans(dy), x, acc, EMULATE)
     else:
         blk = t0 // 32 + tl.arange(0, BT // 32)
@@ -61,9 +64,9 @@ def _step(
             XS + blk.to(tl.int64)[:, None] * stride_xsm + rk[None, :], mask=blk_ok[:, None] & k_ok[None, :], other=0
         )
         if EMULATE:
-            acc = emulated_dot_scaled(tl.trans(dy), tl.trans(dys), "e2m1", x, tl.trans(xs), acc)
+            acc = emulated_dot_scaled(tl.trans(dy), tl.trans(dys), DY_FMT, x, tl.trans(xs), X_FMT, acc)
         else:
-            acc = tl.dot_scaled(tl.trans(dy), tl.trans(dys), "e2m1", x, tl.trans(xs), "e2m1", acc)
+            acc = tl.dot_scaled(tl.trans(dy), tl.trans(dys), DY_FMT, x, tl.trans(xs), X_FMT, acc)
     return acc
 
 
@@ -87,7 +90,8 @@ def wgrad_grouped_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BT: tl.constexpr,
-    FMT: tl.constexpr,
+    DY_FMT: tl.constexpr,
+    X_FMT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     INTERP: tl.constexpr,
@@ -126,7 +130,8 @@ def wgrad_grouped_kernel(
                     n_ok,
                     k_ok,
                     BT,
-                    FMT,
+                    DY_FMT,
+                    X_FMT,
                     INTERP,
                 )
                 t0 += BT
@@ -149,7 +154,8 @@ def wgrad_grouped_kernel(
                     n_ok,
                     k_ok,
                     BT,
-                    FMT,
+                    DY_FMT,
+                    X_FMT,
                     INTERP,
                 )
         out = Out + g.to(tl.int64) * stride_og + rn.to(tl.int64)[:, None] * stride_on + rk[None, :]

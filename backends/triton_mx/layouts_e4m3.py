@@ -1,0 +1,60 @@
+"""The Hopper upcast kernel's layout of an E4M3 weight (``triton_mxfp8``), beside the E2M1 one.
+
+Same ``UpcastWeight`` as ``layouts.build_upcast_weight`` (rows x contraction per group,
+contraction zero-padded to 128, scales (G, Kp/128, rows) int32, run-major words), with
+``fmt="e4m3"`` and ``data`` (G, rows, Kp/128, 16) **int64**: an E4M3 element is a byte, so
+the eight elements one thread holds of a 32-block in wgmma's register fragment (elements
+``32b + 8j + 2q + h``, j in 0..3, h in 0..1, for ``q = lane % 4``) fill one int64, word
+``4q + b`` of the run, element ``8j + 2q + h`` at byte ``2j + h``. The kernel indexes the
+words exactly as the E2M1 ones (one word per (q, block)), so the two formats share its
+loads, splits and joins; only the decode differs (``decode.e4m3_words_to_bf16``).
+
+NaN codes (0x7F, 0xFF): the sm_90 decode has no select for them, so the builder gives every
+32-block holding one the NaN scale byte 0xFF. A GEMM output element that reads a NaN
+weight element is NaN either way (x * NaN is NaN for every x), so results are unchanged.
+
+``small_scales``: every scale byte is at most 134, so the decode's 2^120 folds into the
+scale (2^(e - 7) is a normal bf16) and one multiply does.
+"""
+
+from __future__ import annotations
+
+import torch
+from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcast_weight
+
+from grouped_gemm.mx import MXTensor
+
+#: Largest scale byte whose folded multiplier 2^(e - 7) is a finite bf16.
+FOLD_MAX_SCALE = 134
+NAN_SCALE = 255
+
+
+def build_upcast_weight_e4m3(mx: MXTensor, check_scales: bool = False) -> UpcastWeight:
+    """The upcast layout of a (G, N, K) E4M3 weight quantized along K (fwd) or N (dgrad);
+    ``check_scales`` finds out ``small_scales`` (one device-to-host read)."""
+    codes, scale = mx.data.view(torch.uint8), mx.scale
+    if mx.axis == 1:  # dgrad: rows are K, the contraction is N
+        codes, scale = codes.transpose(1, 2), scale.transpose(1, 2)
+    groups, rows, k_red = codes.shape
+    k_padded = -(-k_red // K_ALIGN) * K_ALIGN
+    runs = k_padded // K_ALIGN
+    nan_blocks = ((codes & 0x7F) == 0x7F).reshape(groups, rows, k_red // 32, 32).any(-1)
+    scale = torch.where(nan_blocks, torch.full_like(scale, NAN_SCALE), scale)
+    codes = torch.nn.functional.pad(codes, (0, k_padded - k_red))
+    # Element 32b + 8j + 2q + h of each 128-run -> word 4q + b, byte 2j + h; run-major.
+    split = codes.reshape(groups, rows, runs, 4, 4, 4, 2)  # g, row, run, b, j, q, h
+    ordered = split.permute(0, 2, 1, 5, 3, 4, 6).contiguous()  # g, run, row, q, b, j, h
+    data = ordered.reshape(groups, runs, rows, 16, 8).view(torch.int64).reshape(groups, runs, rows, 16).transpose(1, 2)
+    blocks = torch.nn.functional.pad(scale, (0, (k_padded - k_red) // 32)).contiguous()
+    scales = blocks.view(torch.int32).transpose(1, 2).contiguous()
+    capturing = mx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    small = check_scales and not capturing and bool((scale <= FOLD_MAX_SCALE).all())
+    return UpcastWeight(
+        data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, small_scales=small, fmt="e4m3"
+    )
+
+
+def upcast_weight_e4m3(mx: MXTensor) -> UpcastWeight:
+    """``build_upcast_weight_e4m3(mx, check_scales=True)``, cached per MXTensor object and
+    tensor version (``layouts.upcast_weight``'s cache)."""
+    return upcast_weight(mx, build_upcast_weight_e4m3)

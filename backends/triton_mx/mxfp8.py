@@ -1,0 +1,117 @@
+"""The ``triton_mxfp8`` backend: the mxfp8 recipe (E4M3 activations and weights, E4M3 or
+E5M2 gradients; dgrad also with grad_format None, dy unquantized in bf16) on the Triton MX
+kernels ``triton_mxfp4`` also runs.
+
+Path by chip (``Problem.device``): with MX block-scaled MMA (``DeviceInfo.has("scaled_mma")``:
+gfx950, sm_100) the ``tl.dot_scaled`` kernel, E4M3 (or E5M2) x E4M3; otherwise (sm_90, and
+the CPU interpreter) the upcast kernel: E4M3 weights decoded exactly to bf16 in registers
+(``layouts_e4m3``), activations decoded once to bf16 by the dequant kernel. wgrad: dy and
+x quantized along the tokens per group, then ``tl.dot_scaled`` or their exact bf16 decodes
+through the same wgrad kernel. Every product is exact in fp32 before accumulation, as in
+the reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from grouped_gemm.backends.triton_mx import launch, layouts_e4m3, operands
+
+from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
+from grouped_gemm.mx import MXTensor
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_GRAD_FORMATS = ("e4m3", "e5m2")
+
+
+class TritonMxfp8Backend(Backend):
+    """Persistent Triton grouped kernels for the mxfp8 recipe (fwd, dgrad, wgrad)."""
+
+    spec = BackendSpec(
+        name="triton_mxfp8",
+        version=__version__,
+        description="persistent Triton MXFP8 grouped GEMM: dot_scaled (gfx950, sm_100), exact bf16 upcast (sm_90)",
+        ops=frozenset({"fwd", "dgrad", "wgrad"}),
+        recipes=frozenset({"mxfp8"}),
+        vendors=frozenset({"cpu", "cuda", "rocm"}),
+        # sm_90: upcast path; sm_100 / sm_103 / gfx950: dot_scaled; cpu: Triton's interpreter.
+        archs=("cpu", "sm_90", "sm_100", "sm_103", "gfx950"),
+        dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        out_dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        mx_formats=frozenset({"e4m3", "e5m2"}),
+        # MX blocks of 32 run along K (fwd) and along N (dgrad), so both are block multiples.
+        n_multiple=32,
+        k_multiple=32,
+        min_k=32,
+        # The tile schedule keeps one entry per group in registers.
+        max_groups=1024,
+        host_splits=False,
+        accumulate=True,
+        weight_list=False,
+        non_contiguous=False,
+        deterministic=True,
+        priority=80,
+    )
+
+    def check(self, problem: Problem) -> list[Reason]:
+        reasons = launch.placement_reasons(problem)
+        grad = problem.grad_format
+        if (problem.op == "wgrad" and grad not in _GRAD_FORMATS) or (problem.op == "dgrad" and grad == "e2m1"):
+            allowed = "e4m3 or e5m2" if problem.op == "wgrad" else "e4m3, e5m2 or None (dy unquantized, bf16)"
+            reasons.append(Reason("recipe", f"{problem.op} with grad_format {grad}; this backend runs {allowed}"))
+        if problem.op == "wgrad":
+            if problem.a_format.startswith("mx_") or problem.b_format.startswith("mx_"):
+                reasons.append(
+                    Reason(
+                        "layout",
+                        "wgrad quantizes dy and x itself (per-group token blocks); pass high-precision tensors",
+                    )
+                )
+            return reasons
+        name = "x" if problem.op == "fwd" else "dy"
+        fmt = operands.lhs_format(problem)
+        if fmt is None and problem.a_format != "bfloat16":
+            reasons.append(
+                Reason("dtype", f"grad_format None multiplies dy unquantized; dy is {problem.a_format}, needs bfloat16")
+            )
+        elif problem.a_format.startswith("mx_") and problem.a_format != f"mx_{fmt}":
+            reasons.append(
+                Reason("dtype", f"{name} is pre-quantized {problem.a_format[3:]}; recipe {problem.recipe} needs {fmt}")
+            )
+        if problem.b_format.startswith("mx_") and problem.b_format != "mx_e4m3":
+            reasons.append(Reason("dtype", f"w is {problem.b_format[3:]}; mxfp8 weights are e4m3"))
+        return reasons
+
+    def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+        if problem.op == "wgrad":
+            return _run_wgrad(problem, inputs)
+        act = operands.activation(problem, inputs.a, "x" if problem.op == "fwd" else "dy")
+        w = operands.weight(problem, inputs.b)
+        out = inputs.out
+        if out is None:
+            n_out = problem.n if problem.op == "fwd" else problem.k
+            out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=w.device)
+        if problem.m == 0:
+            return out
+        splits = launch.device_splits(inputs.m_splits, w.device)
+        if problem.device.has("scaled_mma"):
+            return launch.launch_scaled(act, w, splits, out, problem.groups)
+        # A weight passed quantized is reused across calls: cache its layout. One quantized
+        # here lives for this call only.
+        if w is inputs.b:
+            layout = layouts_e4m3.upcast_weight_e4m3(w)
+        else:
+            layout = layouts_e4m3.build_upcast_weight_e4m3(w)
+        a = launch.dequantize(act) if isinstance(act, MXTensor) else act
+        return launch.launch_upcast(a, layout, splits, out, problem.groups)
+
+
+def _run_wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+    dy, x = inputs.a, inputs.b
+    out = inputs.out
+    if out is None:
+        out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, inputs.m_splits)
+    if problem.device.has("scaled_mma"):
+        return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
+    dy_b, x_b = launch.dequantize(dy_q), launch.dequantize(x_q)
+    return launch.launch_wgrad(dy_b, x_b, padded_ends, out, problem.groups, problem.accumulate)

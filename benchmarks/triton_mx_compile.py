@@ -1,0 +1,181 @@
+"""Compile the Triton MX kernels for sm_90, sm_100 and gfx950 without a GPU and check the code.
+
+Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the AMD linker).
+For each kernel configuration this script reports what the compiled code must show:
+
+- sm_90 upcast kernel (E2M1 and E4M3 weights): wgmma (``HGMMA`` in the SASS; the weight as
+  the register operand, so no ``STS`` in the loop), registers and spills from ptxas;
+- sm_100 dot_scaled kernels (fwd e4m3 x e4m3, e5m2 x e4m3, wgrad): ``tcgen05.mma`` with an
+  MX ``block_scale`` kind in the PTX;
+- gfx950 dot_scaled kernels: ``v_mfma_scale_f32_*_f8f6f4`` in the AMDGCN assembly.
+
+Run from the repository root (no TRITON_INTERPRET): ``python benchmarks/triton_mx_compile.py
+--out DIR``; the table is printed last and the JSON written to DIR/triton_mx_compile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: this script compiles the kernels")
+
+import triton
+from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
+from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
+from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGETS = {
+    "sm_90": GPUTarget("cuda", 90, 32),
+    "sm_100": GPUTarget("cuda", 100, 32),
+    "gfx950": GPUTarget("hip", "gfx950", 64),
+}
+
+
+def _compile(kernel, pointers: dict[str, str], const: dict, target: GPUTarget, warps: int, stages: int):
+    sig = {n: "i32" for n in kernel.arg_names}
+    sig.update(pointers)
+    sig.update({n: "constexpr" for n in const})
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in const and n != "num_groups"
+    }
+    return triton.compile(
+        ASTSource(kernel, sig, const, attrs), target=target, options={"num_warps": warps, "num_stages": stages}
+    )
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _inner_loop(sass: str) -> list[str]:
+    """Opcodes of the smallest loop (a backward branch's range) that holds an HGMMA."""
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", sass, re.M)
+    code = [(int(addr, 16), op, rest) for addr, op, rest in lines]
+    loops = []
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target[1], 16) < addr:
+            body = [o for a, o, _ in code if int(target[1], 16) <= a <= addr]
+            if "HGMMA" in body:
+                loops.append(body)
+    return min(loops, key=len) if loops else []
+
+
+def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
+    c = _compile(
+        upcast_grouped_kernel,
+        {"A": "*bf16", "W": "*i64" if w_fmt == "e4m3" else "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"},
+        dict(
+            BM=bm,
+            BN=128,
+            BLOCKS=blocks,
+            MAX_G=128,
+            NUM_PROGS=132,
+            EVEN_K=True,
+            PTX=True,
+            FOLD=fold,
+            W_FMT=w_fmt,
+            INTERP=False,
+        ),
+        TARGETS["sm_90"],
+        warps=8 if bm >= 128 else 4,
+        stages=4,
+    )
+    sass = _cuobjdump(c.asm["cubin"], "-sass")
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    body = _inner_loop(sass)
+    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "HMUL2")}
+    ok = count["HGMMA"] > 0 and count["STS"] == 0
+    name = f"upcast {w_fmt} BM={bm} BLOCKS={blocks} FOLD={fold}"
+    found = (
+        f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
+        f"PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
+    )
+    return {"kernel": name, "target": "sm_90", "ok": ok, "found": found, "regs": int(usage[1]), "spills": int(usage[2])}
+
+
+_MMA = {"cuda": re.compile(r"tcgen05\.mma[.\w:]*block_scale[.\w:]*"), "hip": re.compile(r"v_mfma_scale_f32_\w+")}
+
+
+def _scaled(arch: str, a_fmt: str, w_fmt: str) -> dict:
+    target = TARGETS[arch]
+    c = _compile(
+        scaled_grouped_kernel,
+        {
+            "A": "*bf16" if a_fmt == "bf16" else "*u8",
+            "AS": "*u8",
+            "W": "*u8",
+            "WS": "*u8",
+            "Out": "*bf16",
+            "Splits": "*i32",
+        },
+        dict(BM=128, BN=128, BK=128, A_FMT=a_fmt, W_FMT=w_fmt, MAX_G=128, NUM_PROGS=148, EVEN_K=True, INTERP=False),
+        target,
+        warps=8,
+        stages=3,
+    )
+    return _scaled_row(c, target, f"dot_scaled fwd {a_fmt} x {w_fmt}", arch)
+
+
+def _wgrad(arch: str, dy_fmt: str, x_fmt: str) -> dict:
+    target = TARGETS[arch]
+    c = _compile(
+        wgrad_grouped_kernel,
+        {"DY": "*u8", "DYS": "*u8", "X": "*u8", "XS": "*u8", "Out": "*fp32", "PEnds": "*i32"},
+        dict(BN=128, BK=128, BT=64, DY_FMT=dy_fmt, X_FMT=x_fmt, ACCUMULATE=True, NUM_PROGS=148, INTERP=False),
+        target,
+        warps=8,
+        stages=3,
+    )
+    return _scaled_row(c, target, f"wgrad {dy_fmt} x {x_fmt}", arch)
+
+
+def _scaled_row(c, target: GPUTarget, name: str, arch: str) -> dict:
+    text = c.asm["ptx"] if target.backend == "cuda" else c.asm["amdgcn"]
+    found = sorted(set(_MMA[target.backend].findall(text)))
+    return {"kernel": name, "target": arch, "ok": bool(found), "found": ", ".join(found) or "none", "regs": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="directory for triton_mx_compile.json")
+    args = parser.parse_args()
+    rows = [
+        _upcast("e4m3", True, 256, 2),
+        _upcast("e4m3", False, 256, 2),
+        _upcast("e4m3", True, 16, 4),
+        _upcast("e2m1", True, 256, 2),
+        _upcast("e2m1", True, 16, 4),
+    ]
+    for arch in ("sm_100", "gfx950"):
+        rows += [_scaled(arch, "e4m3", "e4m3"), _scaled(arch, "e5m2", "e4m3"), _scaled(arch, "e4m3", "e2m1")]
+        rows += [_wgrad(arch, "e4m3", "e4m3"), _wgrad(arch, "e5m2", "e4m3")]
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "triton_mx_compile.json").write_text(json.dumps({"triton": triton.__version__, "rows": rows}))
+    print(f"Triton {triton.__version__}")
+    print("| kernel | target | ok | found | registers / stack bytes |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        regs = f"{r['regs']} / stack {r['spills']}" if r["regs"] is not None else ""
+        print(f"| {r['kernel']} | {r['target']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {regs} |")
+    if not all(r["ok"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
