@@ -37,7 +37,7 @@ def _concat_k(a, b):
 
 
 @triton.jit
-def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, W_FMT: tl.constexpr = "e2m1"):
+def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, W_FMT: tl.constexpr):
     """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
     values in contraction order: decoded value j + 4h of word q is element 8j + 2q + h."""
     if W_FMT == "e2m1":
