@@ -36,6 +36,7 @@ ReasonCode = Literal[
     "accumulate",
     "missing",
     "config",
+    "plugin",
 ]
 
 
