@@ -163,6 +163,32 @@ def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
         raise SplitsError(argument, values, exc.allowed) from None
 
 
+def snapshot_splits(m_splits: Any) -> Any:
+    """A copy of ``m_splits`` taken at forward time: backward must use the splits the
+    forward used, even if the caller edits their list or tensor in place meanwhile (a
+    device tensor is copied asynchronously, without a sync). Other values pass through
+    to validation, which names them."""
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits.clone()
+    if isinstance(m_splits, (list, tuple)):
+        return [v.clone() if isinstance(v, torch.Tensor) else v for v in m_splits]
+    return m_splits
+
+
+def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
+    """A ``(G, N)`` bias on ``like``'s device, checked before any GEMM runs."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise InvalidTypeError("bias", bias, f"a torch.Tensor of shape (G, N)={(groups, n)} or None")
+    if tuple(bias.shape) != (groups, n):
+        raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
+    if bias.device != like.device:
+        raise DeviceMismatchError("bias", bias, f"a tensor on {like.device}, like the operands")
+    if not bias.dtype.is_floating_point:
+        raise DTypeError("bias", bias, "a floating-point tensor")
+
+
 def splits_operand(
     m_splits: Any, groups: int, rows: int, rows_arg: str, device: torch.device
 ) -> tuple[tuple[int, ...] | torch.Tensor, bool]:
