@@ -16,7 +16,7 @@ from grouped_gemm.device import DeviceInfo, device_info
 from grouped_gemm.dispatch import DISPATCHER, check_names, decide
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.plugins import PluginFailure
-from grouped_gemm.problem import OPS, Op, Problem, m_alignment
+from grouped_gemm.problem import OPS, Op, Problem, m_alignment, max_rows_bucket
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
@@ -150,6 +150,7 @@ def describe_problem(
         weight_list=weight_list,
         accumulate=accumulate,
         m_align=m_alignment(None if device_splits else sizes, cap),
+        max_rows=max_rows_bucket(None if device_splits else sizes),
     )
 
 

@@ -23,7 +23,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.problem import Op, Problem, m_alignment
+from grouped_gemm.problem import Op, Problem, m_alignment, max_rows_bucket
 from grouped_gemm.recipes import PLAIN_DTYPES, Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import _registry, registry
 from grouped_gemm.results import operand_tensors
@@ -360,6 +360,7 @@ def intern_problem(
     pre-quantized MXTensor operands."""
     cap = _registry.max_m_multiple if _registry._loaded else registry().max_m_multiple
     m_align = m_alignment(splits if host else None, cap)
+    max_rows = max_rows_bucket(splits if host else None)
     on_cuda = device.type == "cuda"
     capturing = on_cuda and torch.cuda.is_current_stream_capturing()
     info = device_info(device)
@@ -382,6 +383,7 @@ def intern_problem(
         contiguous,
         capturing,
         m_align,
+        max_rows,
     )
     problem = _problems.get(key)
     if problem is None:
@@ -407,6 +409,7 @@ def intern_problem(
             contiguous=contiguous,
             capturing=capturing,
             m_align=m_align,
+            max_rows=max_rows,
         )
         _problems[key] = problem
     return problem

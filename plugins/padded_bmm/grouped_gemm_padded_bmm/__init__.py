@@ -15,6 +15,13 @@ import torch
 import grouped_gemm as gg
 
 CAPACITY_ENV = "GROUPED_GEMM_PADDED_BMM_CAPACITY"
+#: Padded rows (G x the largest group, as ``Problem.max_rows`` bounds it) may be at most
+#: this many times M. Balanced splits stay under it even with ``max_rows`` rounded up to
+#: a power of two (at most 2x); one large group among many (G=16: up to 16x) does not.
+MAX_PADDING = 4
+#: On CPU a padded bmm computes and copies the padding that ``torch._grouped_mm`` (priority
+#: 5 there) skips, so it ranks below it; elsewhere ``spec.priority`` applies.
+CPU_PRIORITY = 2
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -59,7 +66,19 @@ class PaddedBmmBackend(gg.Backend):
                     f"m_splits are on the device: set {CAPACITY_ENV} (rows per group) to pad without a host sync",
                 )
             ]
+        if problem.max_rows is not None and problem.groups * problem.max_rows > MAX_PADDING * max(problem.m, 1):
+            return [
+                gg.Reason(
+                    "shape",
+                    f"padding all G={problem.groups} groups to the largest (up to {problem.max_rows} rows) would "
+                    f"compute up to {problem.groups * problem.max_rows} rows for M={problem.m}, "
+                    f"more than {MAX_PADDING}x; the splits are too uneven",
+                )
+            ]
         return []
+
+    def priority(self, problem: gg.Problem) -> int:
+        return CPU_PRIORITY if problem.device.vendor == "cpu" else self.spec.priority
 
     def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
         a = inputs.a
