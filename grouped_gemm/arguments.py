@@ -241,6 +241,8 @@ def plain_recipe(recipe: str | Recipe | None, a: torch.Tensor, a_arg: str, b: to
     except (KeyError, TypeError):
         pass
     resolved = _resolve_plain_recipe(recipe, a, a_arg, b, b_arg)
+    if len(_recipes) >= 256:  # distinct Recipe objects could otherwise pile up
+        _recipes.clear()
     _recipes[key] = resolved
     return resolved
 
