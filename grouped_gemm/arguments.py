@@ -110,7 +110,7 @@ def _host_splits(values: Sequence[Any], groups: int, rows: int, rows_arg: str) -
     try:
         total = sum(values)
         lowest = min(values)
-    except TypeError:
+    except (TypeError, ValueError, RuntimeError):  # e.g. a multi-element tensor among them
         total = lowest = None
     if type(total) is not int or type(lowest) is not int:
         values = _as_ints(values)

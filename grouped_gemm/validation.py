@@ -93,7 +93,7 @@ def fwd_or_dgrad(
         try:
             lowest = min(m_splits)
             total = sum(m_splits)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # e.g. a multi-element tensor among them
             lowest = total = None
         if type(total) is int and type(lowest) is int and lowest >= 0 and total == m:
             splits, host = tuple(m_splits), True
