@@ -161,7 +161,7 @@ def describe_problem(
         weight_list=weight_list,
         accumulate=accumulate,
         m_align=m_alignment(None if device_splits else sizes, cap),
-        max_rows=max_rows_bucket(None if device_splits else sizes),
+        max_rows=max_rows_bucket(None if device_splits else sizes) if groups <= registry().max_rows_groups else None,
     )
 
 

@@ -360,9 +360,9 @@ def intern_problem(
 
     ``a_dtype`` / ``b_dtype`` are the operands' torch dtypes, or ``"mx_<fmt>"`` for
     pre-quantized MXTensor operands."""
-    cap = _registry.max_m_multiple if _registry._loaded else registry().max_m_multiple
-    m_align = m_alignment(splits if host else None, cap)
-    max_rows = max_rows_bucket(splits if host else None)
+    reg = _registry if _registry._loaded else registry()
+    m_align = m_alignment(splits if host else None, reg.max_m_multiple)
+    max_rows = max_rows_bucket(splits) if host and groups <= reg.max_rows_groups else None
     on_cuda = device.type == "cuda"
     capturing = on_cuda and torch.cuda.is_current_stream_capturing()
     info = device_info(device)

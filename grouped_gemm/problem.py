@@ -39,7 +39,9 @@ class Problem:
     registered backend asks for) dividing every group's row count; 0 when the splits
     live on the device and are not read. ``max_rows`` is the largest group's row count
     rounded up to a power of two (so backends that pad groups can judge their waste
-    without a decision per distinct maximum); None when the splits live on the device.
+    without a decision per distinct maximum); None when the splits live on the device,
+    or when no registered backend declaring ``max_padding`` takes G groups (it costs a
+    pass over the splits).
     ``signature`` (computed once) is the decision-cache key: every field, with M
     bucketed to a power of two.
     """

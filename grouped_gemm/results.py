@@ -16,7 +16,7 @@ from grouped_gemm.errors import BackendRunError
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ContractViolation(Exception):
@@ -58,7 +58,7 @@ def checked_result(name: str, problem: Problem, inputs: GroupedInputs, result: A
     out = inputs.out
     if result is None:
         return _raise(name, problem, "run() returned None; it must return the result (inputs.out when given)")
-    dtype = _DTYPES[problem.out_dtype]
+    dtype = DTYPES[problem.out_dtype]
     device = _operand_device(inputs.a)
     shape = expected_shape(problem)
     if isinstance(out, list):

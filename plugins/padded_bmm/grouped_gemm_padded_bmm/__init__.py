@@ -16,9 +16,10 @@ import grouped_gemm as gg
 
 CAPACITY_ENV = "GROUPED_GEMM_PADDED_BMM_CAPACITY"
 #: Padded rows (G x the largest group, as ``Problem.max_rows`` bounds it) may be at most
-#: this many times M. Balanced splits stay under it even with ``max_rows`` rounded up to
-#: a power of two (at most 2x); one large group among many (G=16: up to 16x) does not.
-MAX_PADDING = 4
+#: this many times M (declared as ``max_padding``; the core refuses the rest). Balanced
+#: splits stay under it even with ``max_rows`` rounded up to a power of two (at most 2x);
+#: one large group among many (G=16: up to 16x) does not.
+MAX_PADDING = 4.0
 #: On CPU a padded bmm computes and copies the padding that ``torch._grouped_mm`` (priority
 #: 5 there) skips, so it ranks below it; elsewhere ``spec.priority`` applies.
 CPU_PRIORITY = 2
@@ -55,6 +56,7 @@ class PaddedBmmBackend(gg.Backend):
         recipes=frozenset({"bf16", "fp16", "fp32"}),
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         max_groups=16,
+        max_padding=MAX_PADDING,
         priority=10,
     )
 
@@ -64,15 +66,6 @@ class PaddedBmmBackend(gg.Backend):
                 gg.Reason(
                     "config",
                     f"m_splits are on the device: set {CAPACITY_ENV} (rows per group) to pad without a host sync",
-                )
-            ]
-        if problem.max_rows is not None and problem.groups * problem.max_rows > MAX_PADDING * max(problem.m, 1):
-            return [
-                gg.Reason(
-                    "shape",
-                    f"padding all G={problem.groups} groups to the largest (up to {problem.max_rows} rows) would "
-                    f"compute up to {problem.groups * problem.max_rows} rows for M={problem.m}, "
-                    f"more than {MAX_PADDING}x; the splits are too uneven",
                 )
             ]
         return []
