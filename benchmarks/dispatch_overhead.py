@@ -24,7 +24,8 @@ from grouped_gemm.registry import registry
 
 
 class NoopBackend(gg.Backend):
-    """Returns a preallocated output: measures everything but the math."""
+    """Returns a preallocated output of the right shape (the core checks it): measures
+    everything but the math."""
 
     spec = gg.BackendSpec(
         name="noop_overhead_probe",
@@ -35,11 +36,14 @@ class NoopBackend(gg.Backend):
         priority=-1,
     )
 
-    def __init__(self, out: torch.Tensor) -> None:
-        self.out = out
+    def __init__(self) -> None:
+        self.outs: dict[tuple[int, int], torch.Tensor] = {}
 
     def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
-        return self.out
+        out = self.outs.get((problem.m, problem.n))
+        if out is None:
+            out = self.outs[(problem.m, problem.n)] = torch.empty(problem.m, problem.n)
+        return out
 
 
 def _per_call(fn, calls: int) -> float:
@@ -82,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    gg.register_backend(NoopBackend(torch.empty(0)))
+    gg.register_backend(NoopBackend())
     print(f"torch {torch.__version__}, grouped_gemm {gg.__version__}, {torch.get_num_threads()} threads")
     print(f"{'backend':<22}{'G':>5}{'api us':>10}{'run us':>10}{'extra us':>10}")
     for backend in ("noop_overhead_probe", "reference"):

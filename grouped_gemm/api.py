@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,12 +17,16 @@ from grouped_gemm.device import DeviceInfo, device_info
 from grouped_gemm.dispatch import DISPATCHER, check_names, decide
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.plugins import PluginFailure
-from grouped_gemm.problem import OPS, Op, Problem, m_alignment
+from grouped_gemm.problem import OPS, Op, Problem, m_alignment, max_rows_bucket
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
 
-_orders: dict[Any, config.Order] = {}
+#: Parsed per-call ``backend=`` values, least recently used dropped past the limit.
+_orders: OrderedDict[Any, config.Order] = OrderedDict()
+ORDER_CACHE_SIZE = 256
+#: Groups a described problem may have: its splits are built as a host list.
+MAX_DESCRIBED_GROUPS = 1 << 20
 
 
 def _call_order(backend: Any) -> config.Order | None:
@@ -34,7 +39,11 @@ def _call_order(backend: Any) -> config.Order | None:
     except TypeError:  # an unhashable mapping: parse every time
         return config.parse_order(backend, "backend")
     if cached is None:
-        cached = _orders[key] = config.parse_order(backend, "backend")
+        cached = config.parse_order(backend, "backend")
+        _orders[key] = cached
+        while len(_orders) > ORDER_CACHE_SIZE:
+            with contextlib.suppress(KeyError):  # another thread evicted it first
+                _orders.popitem(last=False)
     return cached
 
 
@@ -119,8 +128,10 @@ def describe_problem(
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
     for name, value in (("groups", groups), ("m", m), ("n", n), ("k", k)):
-        if not isinstance(value, int) or value < (1 if name != "m" else 0):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name != "m" else 0):
             raise InvalidArgumentError(name, value, "a positive integer" if name != "m" else "an integer >= 0")
+    if groups > MAX_DESCRIBED_GROUPS:
+        raise InvalidArgumentError("groups", groups, f"at most {MAX_DESCRIBED_GROUPS} for a described problem")
     resolved = get_recipe(recipe)
     info = _described_device(device)
     if isinstance(splits, str):
@@ -150,6 +161,7 @@ def describe_problem(
         weight_list=weight_list,
         accumulate=accumulate,
         m_align=m_alignment(None if device_splits else sizes, cap),
+        max_rows=max_rows_bucket(None if device_splits else sizes) if groups <= registry().max_rows_groups else None,
     )
 
 
@@ -253,7 +265,8 @@ def _check_order(order: config.OrderLike, argument: str) -> None:
 def configure(**changes: Any) -> config.Settings:
     """Set process-wide options in code (they override the environment):
     ``backends`` (an order, None clears it), ``warn_fallback``, ``strict``, ``log_level``,
-    ``check_device_splits``. Returns the settings now in force."""
+    ``check_device_splits``, ``debug`` (check that backends leave their inputs unmodified).
+    Flags take True / False only. Returns the settings now in force."""
     if changes.get("backends") is not None:
         _check_order(changes["backends"], "backends")
     return config.configure(**changes)
@@ -265,15 +278,18 @@ def use_backends(
     *,
     strict: bool | None = None,
     warn_fallback: bool | None = None,
+    debug: bool | None = None,
 ) -> Iterator[None]:
-    """Prefer backends (and optionally set strict / fallback warnings) inside a block.
+    """Prefer backends (and optionally set strict / fallback warnings / debug checks)
+    inside a block.
 
     ``order`` is a name, a list of names, an order string (``"mxfp4:a,b;bf16:c"``) or a
-    recipe -> names mapping. Scopes nest and are local to the thread and asyncio task.
+    recipe -> names mapping. ``debug=True`` checks after every call that the backend did
+    not modify its inputs in place. Scopes nest and are local to the thread and asyncio task.
     """
     if order is not None:
         _check_order(order, "order")
-    with config.use_backends(order, strict=strict, warn_fallback=warn_fallback):
+    with config.use_backends(order, strict=strict, warn_fallback=warn_fallback, debug=debug):
         yield
 
 

@@ -6,6 +6,7 @@ allowed; ``validation`` and ``validation_mx`` compose them per op.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -22,9 +23,10 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.problem import Op, Problem, m_alignment
+from grouped_gemm.problem import Op, Problem, m_alignment, max_rows_bucket
 from grouped_gemm.recipes import PLAIN_DTYPES, Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import _registry, registry
+from grouped_gemm.results import operand_tensors
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -41,6 +43,27 @@ def check_tensor(value: Any, argument: str, ndim: int, dims: str) -> torch.Tenso
     if value.dim() != ndim:
         raise ShapeError(argument, value, f"a {ndim}-D tensor of shape {dims}, got {value.dim()}-D")
     return value
+
+
+def check_operand_kind(pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Dense, data-bearing operands that do not require grad (with grad mode on).
+
+    The functional ops are not differentiable: a graph through them would be partial
+    on some backends and crash on others, so they refuse tensors that require grad and
+    point to the differentiable layer instead.
+    """
+    for name, t in pairs:
+        if t.layout is not torch.strided:
+            raise InvalidArgumentError(name, t, f"a dense (strided) tensor, got layout {t.layout}; call .to_dense()")
+        if t.device.type == "meta":
+            raise DeviceMismatchError(name, t, "a tensor with data (CPU or GPU); meta tensors have none")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise InvalidArgumentError(
+                name,
+                t,
+                "a tensor that does not require grad: the functional grouped GEMMs are not differentiable; "
+                "use gg.grouped_linear / gg.GroupedLinear for autograd, or call under torch.no_grad()",
+            )
 
 
 def weight_operand(w: Any, argument: str) -> tuple[Any, int, int, int, bool]:
@@ -80,14 +103,14 @@ def all_contiguous(*operands: Any) -> bool:
     return True
 
 
-def _host_splits(values: Sequence[Any], groups: int, rows: int, rows_arg: str) -> list[int]:
+def _host_splits(values: Sequence[Any], groups: int, rows: int, rows_arg: str) -> tuple[int, ...]:
     """Validated host splits; the fast path is one ``sum`` and one ``min``."""
     if len(values) != groups:
         raise SplitsError("m_splits", values, f"one entry per group: expected {groups}, got {len(values)}")
     try:
         total = sum(values)
         lowest = min(values)
-    except TypeError:
+    except (TypeError, ValueError, RuntimeError):  # e.g. a multi-element tensor among them
         total = lowest = None
     if type(total) is not int or type(lowest) is not int:
         values = _as_ints(values)
@@ -99,14 +122,18 @@ def _host_splits(values: Sequence[Any], groups: int, rows: int, rows_arg: str) -
         raise SplitsError(
             "m_splits", values, f"group sizes summing to {rows_arg}.shape[0]={rows}, but they sum to {total}"
         )
-    return values if isinstance(values, list) else list(values)
+    return tuple(values)
 
 
 def _as_ints(values: Sequence[Any]) -> list[int]:
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool):
+        if isinstance(v, bool) or type(v).__name__ == "bool_":
             raise SplitsError("m_splits", values, f"integers; m_splits[{i}]={v!r} is a bool")
+        if isinstance(v, torch.Tensor) and (v.dtype not in _INT_DTYPES or v.numel() != 1):
+            raise SplitsError(
+                "m_splits", values, f"integers; m_splits[{i}] is a tensor of dtype {v.dtype} with {v.numel()} elements"
+            )
         try:
             out.append(operator.index(v))
         except TypeError:
@@ -120,10 +147,52 @@ def splits_type_error(m_splits: Any) -> InvalidTypeError:
     )
 
 
+def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
+    """Group sizes given as a list/tuple of ints (Python, numpy or 1-element integer
+    tensors) or a 1-D integer tensor on the CPU, as Python ints; bools and floats are
+    rejected. The one parser of host splits (``quantize_mx_rows`` uses it too)."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype not in _INT_DTYPES:
+            raise SplitsError(argument, values, "a 1-D integer tensor (int32 or int64)")
+        return values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise splits_type_error(values)
+    try:
+        return _as_ints(values)
+    except SplitsError as exc:
+        raise SplitsError(argument, values, exc.allowed) from None
+
+
+def snapshot_splits(m_splits: Any) -> Any:
+    """A copy of ``m_splits`` taken at forward time: backward must use the splits the
+    forward used, even if the caller edits their list or tensor in place meanwhile (a
+    device tensor is copied asynchronously, without a sync). Other values pass through
+    to validation, which names them."""
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits.clone()
+    if isinstance(m_splits, (list, tuple)):
+        return [v.clone() if isinstance(v, torch.Tensor) else v for v in m_splits]
+    return m_splits
+
+
+def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
+    """A ``(G, N)`` bias on ``like``'s device, checked before any GEMM runs."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise InvalidTypeError("bias", bias, f"a torch.Tensor of shape (G, N)={(groups, n)} or None")
+    if tuple(bias.shape) != (groups, n):
+        raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
+    if bias.device != like.device:
+        raise DeviceMismatchError("bias", bias, f"a tensor on {like.device}, like the operands")
+    if not bias.dtype.is_floating_point:
+        raise DTypeError("bias", bias, "a floating-point tensor")
+
+
 def splits_operand(
     m_splits: Any, groups: int, rows: int, rows_arg: str, device: torch.device
-) -> tuple[list[int] | torch.Tensor, bool]:
-    """(splits, on_host)."""
+) -> tuple[tuple[int, ...] | torch.Tensor, bool]:
+    """(splits, on_host): a tuple of ints, or a device tensor."""
     if isinstance(m_splits, (list, tuple)):
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
@@ -134,12 +203,25 @@ def splits_operand(
         raise SplitsError("m_splits", m_splits, f"one entry per group: expected {groups}, got {m_splits.numel()}")
     if m_splits.device.type == "cpu":
         return _host_splits(m_splits.tolist(), groups, rows, rows_arg), True
+    if m_splits.device.type == "meta":
+        raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or the operands' device), not meta")
     if m_splits.device != device:
         raise DeviceMismatchError("m_splits", m_splits, f"on the operands' device {device} or on the CPU")
     if config.settings().check_device_splits:
-        torch._assert_async((m_splits >= 0).all(), "grouped_gemm: m_splits has a negative entry")
-        torch._assert_async(m_splits.sum() == rows, f"grouped_gemm: m_splits does not sum to {rows_arg}.shape[0]")
+        assert_device_splits(m_splits, rows, rows_arg)
     return m_splits, False
+
+
+def assert_device_splits(m_splits: torch.Tensor, rows: int, rows_arg: str) -> None:
+    """Asynchronous device asserts that the splits are group sizes summing to ``rows``.
+
+    Every entry is checked to lie in ``[0, rows]`` before the sum is trusted: with that
+    bound the int64 sum of G entries cannot wrap (it would need G * rows >= 2**63), so
+    entries like ``[2**63 - 1, 2**63 - 1, 12]`` cannot fake a matching sum."""
+    in_range = ((m_splits >= 0) & (m_splits <= rows)).all()
+    torch._assert_async(in_range, f"grouped_gemm: an m_splits entry is outside [0, {rows_arg}.shape[0]={rows}]")
+    total = m_splits.sum(dtype=torch.int64)
+    torch._assert_async(total == rows, f"grouped_gemm: m_splits does not sum to {rows_arg}.shape[0]={rows}")
 
 
 def same_device(device: torch.device, name: str, t: Any) -> None:
@@ -159,6 +241,8 @@ def plain_recipe(recipe: str | Recipe | None, a: torch.Tensor, a_arg: str, b: to
     except (KeyError, TypeError):
         pass
     resolved = _resolve_plain_recipe(recipe, a, a_arg, b, b_arg)
+    if len(_recipes) >= 256:  # distinct Recipe objects could otherwise pile up
+        _recipes.clear()
     _recipes[key] = resolved
     return resolved
 
@@ -204,7 +288,8 @@ def out_dtype_name(out_dtype: torch.dtype | None, out: Any, default: torch.dtype
     return dtype_name(out_dtype or default)
 
 
-def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str) -> None:
+def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str, operands: tuple = ()) -> None:
+    """``out`` has the result's shape, the operands' device, and none of their memory."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
@@ -215,6 +300,39 @@ def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str)
         raise DeviceMismatchError("out", out, f"a tensor on {device}, like the operands")
     if not out.is_contiguous():
         raise InvalidArgumentError("out", out, "a contiguous tensor")
+    check_no_overlap([out], operands)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage, first byte, end byte) a tensor can touch; None when it has no elements."""
+    if t.numel() == 0:
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return t.untyped_storage().data_ptr(), start, start + (extent + 1) * t.element_size()
+
+
+def check_no_overlap(outs: Sequence[torch.Tensor], operands: tuple) -> None:
+    """InvalidArgumentError naming ``out`` when an output buffer shares memory with an
+    input (the kernel would read what it already overwrote) or with another output
+    buffer (``out=[buf] * G``: the groups would overwrite each other)."""
+    out_spans = [(i, _span(o)) for i, o in enumerate(outs)]
+    out_spans = sorted(((sp, i) for i, sp in out_spans if sp is not None), key=lambda item: item[0])
+    for (a, i), (b, j) in itertools.pairwise(out_spans):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise InvalidArgumentError(
+                "out", outs[j], f"G distinct buffers; out[{i}] and out[{j}] share memory (e.g. out=[buf] * G)"
+            )
+    if not operands:
+        return
+    inputs = [(name, sp) for name, t in operands for sp in map(_span, operand_tensors(t)) if sp is not None]
+    for span, i in out_spans:
+        for name, other in inputs:
+            if span[0] == other[0] and span[1] < other[2] and other[1] < span[2]:
+                where = f"out[{i}]" if len(outs) > 1 else "out"
+                raise InvalidArgumentError(
+                    "out", outs[i], f"a buffer that shares no memory with the input {name}; {where} overlaps it"
+                )
 
 
 _problems: dict[tuple, Problem] = {}
@@ -242,8 +360,9 @@ def intern_problem(
 
     ``a_dtype`` / ``b_dtype`` are the operands' torch dtypes, or ``"mx_<fmt>"`` for
     pre-quantized MXTensor operands."""
-    cap = _registry.max_m_multiple if _registry._loaded else registry().max_m_multiple
-    m_align = m_alignment(splits if host else None, cap)
+    reg = _registry if _registry._loaded else registry()
+    m_align = m_alignment(splits if host else None, reg.max_m_multiple)
+    max_rows = max_rows_bucket(splits) if host and groups <= reg.max_rows_groups else None
     on_cuda = device.type == "cuda"
     capturing = on_cuda and torch.cuda.is_current_stream_capturing()
     info = device_info(device)
@@ -266,6 +385,7 @@ def intern_problem(
         contiguous,
         capturing,
         m_align,
+        max_rows,
     )
     problem = _problems.get(key)
     if problem is None:
@@ -291,6 +411,7 @@ def intern_problem(
             contiguous=contiguous,
             capturing=capturing,
             m_align=m_align,
+            max_rows=max_rows,
         )
         _problems[key] = problem
     return problem
@@ -309,7 +430,9 @@ def group_count(m_splits: Any) -> int:
     return groups
 
 
-def wgrad_out(out: Any, groups: int, n: int, k: int, device: torch.device, accumulate: bool) -> tuple[Any, bool]:
+def wgrad_out(
+    out: Any, groups: int, n: int, k: int, device: torch.device, accumulate: bool, operands: tuple = ()
+) -> tuple[Any, bool]:
     """(out, is_list) for wgrad's ``out``: None, a (G, N, K) tensor, or G (N, K) tensors."""
     is_list = isinstance(out, (list, tuple))
     if is_list:
@@ -319,8 +442,9 @@ def wgrad_out(out: Any, groups: int, n: int, k: int, device: torch.device, accum
         same_device(device, "out", out)
         if not all_contiguous(out):
             raise InvalidArgumentError("out", out[0], "contiguous tensors")
+        check_no_overlap(out, operands)
     else:
-        check_out(out, (groups, n, k), device, "(G, N, K)")
+        check_out(out, (groups, n, k), device, "(G, N, K)", operands)
     if accumulate and out is None:
         raise InvalidArgumentError("accumulate", True, "accumulate=True needs out= (the buffer to add into)")
     return out, is_list

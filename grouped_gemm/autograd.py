@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from grouped_gemm import api
+from grouped_gemm.arguments import check_bias, snapshot_splits
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.linear_math import (
@@ -165,6 +166,10 @@ def run_grouped_linear(
     compiled op always quantizes the parameters it is given)."""
     key = op_recipe(recipe, x)
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    m_splits = snapshot_splits(m_splits)
+    if bias is not None and weights and isinstance(weights[0], torch.Tensor) and isinstance(x, torch.Tensor):
+        w0 = weights[0]
+        check_bias(bias, w0.shape[0] if w0.dim() == 3 else len(weights), w0.shape[-2], x)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
     if torch.compiler.is_compiling():

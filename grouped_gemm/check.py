@@ -277,7 +277,7 @@ def run_checks(
     results = []
     specs = _specs(recipes, variants)
     bar = Progress(len(specs), enabled=progress)
-    with gg.use_backends(strict=True):
+    with gg.use_backends(strict=True, debug=True):  # debug: a backend modifying its inputs fails
         for scenario, variant, recipe, out_dtype in specs:
             bar.step(f"{scenario.name} {variant} {recipe} out={str(out_dtype).removeprefix('torch.')}")
             case = _make_case(scenario, variant, recipe, out_dtype, device)

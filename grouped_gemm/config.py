@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -39,19 +39,26 @@ ENV_VARS = {
     "GROUPED_GEMM_CHECK_SPLITS": "1 to assert on the device that device-resident m_splits are "
     "non-negative and sum to M (asynchronous, no host sync)",
     "GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD": "1 to skip entry-point plugins (built-ins still load)",
+    "GROUPED_GEMM_DEBUG": "1 to check every backend call: inputs not modified in place (tensor versions)",
 }
 
 
 class Settings(BaseModel):
-    """The configurable values; ``None`` for ``backends`` means "no preference"."""
+    """The configurable values; ``None`` for ``backends`` means "no preference".
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Strict validation: a flag set in code must be a real ``bool`` (``strict="no"`` would
+    otherwise be a truthy string doing the opposite of what was asked). Environment
+    variables are strings and are parsed by ``_env_bool`` first.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     backends: Order | None = None
     warn_fallback: bool = False
     strict: bool = False
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = None
     check_device_splits: bool = False
+    debug: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Scope:
     order: Order | None
     strict: bool | None
     warn_fallback: bool | None
+    debug: bool | None = None
 
 
 def parse_order(value: OrderLike, argument: str = "backends") -> Order:
@@ -91,6 +99,15 @@ def _names(names: str | Sequence[str], argument: str, whole: Any) -> tuple[str, 
     cleaned = tuple(n.strip() for n in items if isinstance(n, str) and n.strip())
     if len(cleaned) != len(items) or not cleaned:
         raise ConfigError(argument, whole, "backend names must be non-empty strings")
+    for name in cleaned:
+        recipe, sep, rest = name.partition("=")
+        if sep:
+            raise ConfigError(
+                argument,
+                whole,
+                f"{name!r} uses '=': a recipe and its backends are separated by ':', "
+                f"e.g. '{recipe.strip()}:{rest.strip()}'",
+            )
     return cleaned
 
 
@@ -126,6 +143,7 @@ def read_env(environ: Mapping[str, str]) -> Settings:
         ("warn_fallback", "GROUPED_GEMM_WARN_FALLBACK"),
         ("strict", "GROUPED_GEMM_STRICT"),
         ("check_device_splits", "GROUPED_GEMM_CHECK_SPLITS"),
+        ("debug", "GROUPED_GEMM_DEBUG"),
     ):
         if name in environ:
             values[field] = _env_bool(name, environ[name])
@@ -135,7 +153,17 @@ def read_env(environ: Mapping[str, str]) -> Settings:
         if upper not in _LEVELS:
             raise ConfigError("GROUPED_GEMM_LOG_LEVEL", level, "DEBUG, INFO, WARNING, ERROR or CRITICAL")
         values["log_level"] = upper
+        _show_records_on_stderr()
     return Settings(**values)
+
+
+def _show_records_on_stderr() -> None:
+    """``GROUPED_GEMM_LOG_LEVEL`` promises visible records: without a handler of its own
+    (or the application's) the logger would drop DEBUG/INFO records, so attach one."""
+    if not LOGGER.handlers:
+        handler = logging.StreamHandler()  # stderr
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        LOGGER.addHandler(handler)
 
 
 def plugin_autoload_disabled() -> bool:
@@ -167,6 +195,20 @@ class _State:
 
 
 _state = _State()
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` after every ``configure`` / ``reset_config`` (the dispatcher
+    drops its cached routes, which the old settings decided)."""
+    _listeners.append(callback)
+
+
+def _changed() -> None:
+    for callback in _listeners:
+        callback()
+
+
 _scopes: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("grouped_gemm_scopes", default=())
 
 
@@ -194,23 +236,26 @@ def configure(**changes: Any) -> Settings:
     """Set process-wide options in code; they override the environment.
 
     ``backends`` (an order, or None to clear), ``warn_fallback``, ``strict``,
-    ``log_level``, ``check_device_splits``. Returns the settings now in force.
+    ``log_level``, ``check_device_splits``, ``debug``. Flags take ``True`` / ``False``
+    only. Returns the settings now in force.
     """
     updates = dict(changes)
     if updates.get("backends") is not None:
         updates["backends"] = parse_order(updates["backends"])
     base = _state.current()
     try:
-        Settings.model_validate({**base.model_dump(), **updates})
+        validated = Settings.model_validate({**base.model_dump(), **updates})
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "configure"
         value = first.get("input")
-        raise ConfigError(field, value, first["msg"]) from None
+        allowed = "True or False (a bool; strings and numbers are rejected)" if first["type"] == "bool_type" else ""
+        raise ConfigError(field, value, allowed or first["msg"]) from None
     with _state.lock:
-        _state.code = {**_state.code, **updates}
+        _state.code = {**_state.code, **{name: getattr(validated, name) for name in updates}}
         _state.effective = None
         _state.version += 1
+    _changed()
     return _state.current()
 
 
@@ -221,6 +266,7 @@ def reset_config() -> Settings:
         _state.env = None
         _state.effective = None
         _state.version += 1
+    _changed()
     return _state.current()
 
 
@@ -235,19 +281,22 @@ def use_backends(
     *,
     strict: bool | None = None,
     warn_fallback: bool | None = None,
+    debug: bool | None = None,
 ) -> Iterator[None]:
-    """Prefer backends (and optionally set strict / fallback warnings) inside a block.
+    """Prefer backends (and optionally set strict / fallback warnings / debug checks)
+    inside a block.
 
     Scopes nest; the innermost one with an entry for a call's recipe decides the order.
     They are local to the thread and to the asyncio task.
     """
-    for name, flag in (("strict", strict), ("warn_fallback", warn_fallback)):
+    for name, flag in (("strict", strict), ("warn_fallback", warn_fallback), ("debug", debug)):
         if flag is not None and not isinstance(flag, bool):
             raise ConfigError(name, flag, "True, False or None")
     frame = Scope(
         order=None if order is None else parse_order(order),
         strict=strict,
         warn_fallback=warn_fallback,
+        debug=debug,
     )
     token = _scopes.set(_scopes.get() + (frame,))
     try:

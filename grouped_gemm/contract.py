@@ -37,6 +37,7 @@ ReasonCode = Literal[
     "missing",
     "config",
     "build",
+    "plugin",
 ]
 
 
@@ -64,6 +65,9 @@ class BackendSpec(BaseModel):
     accepted for ``a`` and ``b``; ``mx_formats`` the pre-quantized MX element formats
     accepted. ``host_splits`` means the backend reads ``m_splits`` on the host, so it
     cannot run under CUDA-graph capture and device splits cost a sync.
+    ``max_padding`` is for backends that pad every group to the largest: they are
+    ineligible when G times the largest group (``Problem.max_rows``, a power-of-two
+    bound) exceeds ``max_padding`` x M.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,6 +87,7 @@ class BackendSpec(BaseModel):
     k_multiple: int = Field(default=1, ge=1)
     min_k: int = Field(default=0, ge=0)
     max_groups: int | None = Field(default=None, ge=1)
+    max_padding: float | None = Field(default=None, ge=1.0)
     host_splits: bool = False
     accumulate: bool = True
     weight_list: bool = False

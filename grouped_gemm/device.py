@@ -159,6 +159,16 @@ def _capabilities_from_version(vendor: Vendor, major: int) -> frozenset[str]:
     return frozenset()
 
 
+def _after_fork() -> None:
+    # A thread of the parent may have held the lock at fork; the child has no such thread.
+    global _detect_lock
+    _detect_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 @contextlib.contextmanager
 def use_device(device: DeviceInfo | str) -> Iterator[DeviceInfo]:
     """Make dispatch in this thread / task treat the chip as ``device`` (an arch name or

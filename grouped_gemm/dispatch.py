@@ -9,10 +9,13 @@ decision is made; with fallback warnings on, a ``FallbackWarning`` is emitted on
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
+
+import torch
 
 from grouped_gemm import config
 from grouped_gemm.contract import BackendLike, Reason
@@ -22,6 +25,7 @@ from grouped_gemm.errors import BackendRunError, BackendUnavailableError, Unknow
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry, Registry, _registry, registry
+from grouped_gemm.results import DTYPES, check_unmodified, checked_result, expected_shape, input_versions
 
 LOGGER = config.LOGGER
 
@@ -37,23 +41,64 @@ class _Routed:
     decision: Decision
     backend: BackendLike | None
     fallback_pairs: tuple[tuple[str, str], ...]
+    fallbacks: tuple[str, ...]
+    debug: bool
     calls: int = 0
+    used: bool = False
+
+
+#: (backend, what misbehaved, exception type) already logged: a broken plugin is logged
+#: once with its traceback, not on every decision.
+_logged_plugin_bugs: set[tuple[str, str, str]] = set()
+
+
+def _plugin_bug(name: str, what: str, detail: str, exc: BaseException | None = None) -> Reason:
+    """A misbehaving ``check()`` / ``priority()`` as a reason for that backend alone."""
+    token = (name, what, type(exc).__name__ if exc is not None else detail)
+    if token not in _logged_plugin_bugs:
+        _logged_plugin_bugs.add(token)
+        LOGGER.warning("grouped_gemm backend %s: %s %s", name, what, detail, exc_info=exc)
+    return Reason("plugin", f"{what} {detail}")
+
+
+def _checked_reasons(name: str, answer: Any) -> list[Reason]:
+    """``check()``'s answer as reasons: a list or tuple of ``Reason`` objects, else one
+    reason saying what came back instead."""
+    if not isinstance(answer, (list, tuple)):
+        return [_plugin_bug(name, "check()", f"returned {_short(answer)}, not a list of gg.Reason")]
+    bad = [r for r in answer if not isinstance(r, Reason)]
+    if bad:
+        return [_plugin_bug(name, "check()", f"returned {_short(bad[0])} among its reasons, not a gg.Reason")]
+    return list(answer)
 
 
 def _evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
     """Reasons and priority of one backend; a plugin bug becomes a reason, not a crash."""
+    name = entry.spec.name
     reasons = declared_reasons(entry.spec, problem)
     try:
-        reasons += list(entry.backend.check(problem))
+        reasons += _checked_reasons(name, entry.backend.check(problem))
     except Exception as exc:  # noqa: BLE001 - a broken check() must not break dispatch
-        reasons.append(Reason("missing", f"check() raised {type(exc).__name__}: {exc}"))
+        reasons.append(_plugin_bug(name, "check()", f"raised {type(exc).__name__}: {exc}", exc))
+    priority = entry.spec.priority
     priority_of = getattr(entry.backend, "priority", None)
-    try:
-        priority = int(priority_of(problem)) if callable(priority_of) else entry.spec.priority
-    except Exception as exc:  # noqa: BLE001 - nor a broken priority()
-        priority = entry.spec.priority
-        reasons.append(Reason("missing", f"priority() raised {type(exc).__name__}: {exc}"))
+    if callable(priority_of):
+        try:
+            answer = priority_of(problem)
+        except Exception as exc:  # noqa: BLE001 - nor a broken priority()
+            reasons.append(_plugin_bug(name, "priority()", f"raised {type(exc).__name__}: {exc}", exc))
+        else:
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                priority = answer
+            else:
+                reasons.append(_plugin_bug(name, "priority()", f"returned {_short(answer)}, not an int"))
     return tuple(reasons), priority
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
 
 
 def check_names(names: tuple[str, ...], reg: Registry, argument: str) -> None:
@@ -124,15 +169,31 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
     return decision, warn
 
 
+def _debug_checks() -> bool:
+    """``debug`` from the innermost scope that sets it, else the settings."""
+    for scope in reversed(config.active_scopes()):
+        if scope.debug is not None:
+            return scope.debug
+    return config.settings().debug
+
+
+#: Routes kept per process (a run of distinct shapes or failing ``backend=`` values must
+#: not grow memory without bound). Eviction is CLOCK, the second-chance approximation of
+#: LRU: a hit only sets a flag (no reordering, so no second hash of the key on the hot
+#: path); the oldest route not used since it was last passed over is dropped.
+ROUTE_CACHE_SIZE = 1024
+
+
 class Dispatcher:
     """The decision cache, fallback warnings and statistics of one process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[tuple, _Routed] = {}
+        self._cache: OrderedDict[tuple, _Routed] = OrderedDict()
         self._stamp: tuple[int, int] = (-1, -1)
         self._warned: set[tuple] = set()
-        self._all: list[_Routed] = []
+        self._live: list[_Routed] = []
+        self._retired: Counter[tuple[str, str]] = Counter()
 
     def route(self, problem: Problem, call_order: config.Order | None) -> _Routed:
         """The cached route for a problem, deciding (and warning) on a miss."""
@@ -142,79 +203,130 @@ class Dispatcher:
         if stamp == self._stamp:
             routed = self._cache.get(key)
             if routed is not None:
+                routed.used = True
                 return routed
         decision, warn = decide(problem, call_order)
         backend = reg.get(decision.selected).backend if decision.selected else None
         pairs = tuple((c.name, r.code) for c in decision.skipped for r in c.reasons)
-        routed = _Routed(decision=decision, backend=backend, fallback_pairs=pairs)
+        chosen = decision.selected or "none"
+        named = tuple(f"{c.name} -> {chosen}" for c in decision.skipped if c.preferred)
+        routed = _Routed(decision, backend, pairs, named, _debug_checks())
         with self._lock:
             if stamp != self._stamp:
-                self._cache = {}
+                self._retire(list(self._cache.values()))
+                self._cache.clear()
                 self._stamp = stamp
             self._cache[key] = routed
-            self._all.append(routed)
+            self._live.append(routed)
+            while len(self._cache) > ROUTE_CACHE_SIZE:
+                old_key, old = self._cache.popitem(last=False)
+                if old.used:  # a second chance: back to the end, flag cleared
+                    old.used = False
+                    self._cache[old_key] = old
+                else:
+                    self._retire([old])
         if decision.fallback:
             LOGGER.info("grouped_gemm fallback: %s", decision.summary())
             if warn:
                 self._warn_once(decision)
         return routed
 
+    def _retire(self, routes: list[_Routed]) -> None:
+        """Fold dropped routes' counts into the totals (holding the lock)."""
+        gone = {id(r) for r in routes}
+        for routed in routes:
+            for item in _counts(routed):
+                self._retired[item] += routed.calls
+        self._live = [r for r in self._live if id(r) not in gone]
+
+    def clear(self) -> None:
+        """Drop every cached route (their counts stay in the statistics)."""
+        with self._lock:
+            self._retire(list(self._cache.values()))
+            self._cache.clear()
+            self._stamp = (-1, -1)
+
     def _warn_once(self, decision: Decision) -> None:
         token = (decision.problem.signature, decision.selected, tuple(c.name for c in decision.skipped))
         with self._lock:
             if token in self._warned:
                 return
+            if len(self._warned) >= ROUTE_CACHE_SIZE:
+                self._warned.clear()
             self._warned.add(token)
         warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=5)
 
     def run(self, problem: Problem, inputs: GroupedInputs, call_order: config.Order | None) -> Any:
-        """Route and run; a backend's exception comes back as BackendRunError."""
+        """Route, run, and check what the backend returned against the problem.
+
+        A backend's exception, a result of the wrong type, shape, dtype or device, and
+        (in debug mode) an input it modified in place all come back as BackendRunError.
+        """
         routed = self.route(problem, call_order)
         backend = routed.backend
         if backend is None:
             raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
         with self._lock:
             routed.calls += 1
+        name = backend.spec.name
+        versions = input_versions(inputs) if routed.debug else None
         try:
             result = backend.run(problem, inputs)
         except Exception as exc:
-            raise BackendRunError(backend.spec.name, problem, exc) from exc
-        out = inputs.out
-        if out is not None and result is not out and not isinstance(out, list):
-            out.copy_(result)
-            return out
-        return result
+            raise BackendRunError(name, problem, exc) from exc
+        if versions is not None:
+            check_unmodified(name, problem, inputs, versions)
+        # The common case in few attribute reads; checked_result says what is wrong.
+        if (
+            inputs.out is None
+            and type(result) is torch.Tensor
+            and result.dtype is DTYPES[problem.out_dtype]
+            and result.shape == expected_shape(problem)
+            and result.device == inputs.a.device
+        ):
+            return result
+        return checked_result(name, problem, inputs, result)
 
     def stats(self) -> dict[str, Any]:
-        """Selections and fallbacks per backend, skips per (backend, reason code)."""
-        selected: Counter[str] = Counter()
-        fallbacks: Counter[str] = Counter()
-        skipped: Counter[tuple[str, str]] = Counter()
+        """Calls per selected backend; fallbacks as ``"skipped -> selected"`` for named
+        backends that were skipped; skips per ``"backend:reason code"``."""
         with self._lock:
-            routes = list(self._all)
-        for routed in routes:
-            if not routed.calls:
-                continue
-            name = routed.decision.selected or "none"
-            selected[name] += routed.calls
-            if routed.fallback_pairs:
-                fallbacks[name] += routed.calls
-            for pair in routed.fallback_pairs:
-                skipped[pair] += routed.calls
-        return {
-            "calls": sum(selected.values()),
-            "selected": dict(selected),
-            "fallbacks": dict(fallbacks),
-            "skipped": {f"{n}:{code}": v for (n, code), v in sorted(skipped.items())},
-        }
+            totals = Counter(self._retired)
+            for routed in self._live:
+                for item in _counts(routed):
+                    totals[item] += routed.calls
+        by_kind: dict[str, dict[str, int]] = {"selected": {}, "fallbacks": {}, "skipped": {}}
+        for (kind, label), count in sorted(totals.items()):
+            if count:
+                by_kind[kind][label] = count
+        return {"calls": sum(by_kind["selected"].values()), **by_kind}
 
     def reset_stats(self) -> None:
         """Forget counts and warned decisions (the cache stays)."""
         with self._lock:
-            for routed in self._all:
+            for routed in self._cache.values():
                 routed.calls = 0
-            self._all = list(self._cache.values())
+            self._live = list(self._cache.values())
+            self._retired.clear()
             self._warned.clear()
 
 
+def _counts(routed: _Routed) -> list[tuple[str, str]]:
+    """The statistics keys one call of a route adds to."""
+    items = [("selected", routed.decision.selected or "none")]
+    items += [("fallbacks", pair) for pair in routed.fallbacks]
+    items += [("skipped", f"{n}:{code}") for n, code in routed.fallback_pairs]
+    return items
+
+
 DISPATCHER = Dispatcher()
+config.on_change(DISPATCHER.clear)
+
+
+def _after_fork() -> None:
+    # A thread of the parent may have held the lock at fork; the child has no such thread.
+    DISPATCHER._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -70,6 +70,16 @@ def declared_reasons(spec: BackendSpec, problem: Problem) -> list[Reason]:
             )
     if spec.max_groups is not None and problem.groups > spec.max_groups:
         add(Reason("groups", f"G={problem.groups} exceeds the maximum {spec.max_groups}"))
+    if spec.max_padding is not None and problem.max_rows is not None:
+        padded = problem.groups * problem.max_rows
+        if padded > spec.max_padding * max(problem.m, 1):
+            add(
+                Reason(
+                    "shape",
+                    f"pads every group to the largest: G={problem.groups} x up to {problem.max_rows} rows = "
+                    f"{padded} rows for M={problem.m}, more than {spec.max_padding:g}x; the splits are too uneven",
+                )
+            )
     if spec.host_splits and problem.capturing:
         add(Reason("capture", "reads m_splits on the host, which cannot happen during CUDA-graph capture"))
     if problem.accumulate and not spec.accumulate:

@@ -21,20 +21,22 @@ class GroupedInputs:
     ``b`` (fwd, dgrad) or ``out`` (wgrad) may be a list of G tensors when
     ``Problem.weight_list`` is set. ``out`` is the caller's buffer or None; a backend
     writes into it when given (and must when ``Problem.accumulate``) and returns the
-    result either way. ``m_splits`` is a list of ints or a 1-D integer tensor.
+    result either way. ``m_splits`` is a tuple of ints (immutable: a backend cannot change
+    the caller's list) or a 1-D integer tensor.
     """
 
     a: Any
     b: Any
-    m_splits: list[int] | torch.Tensor
+    m_splits: tuple[int, ...] | torch.Tensor
     out: Any = None
     _offsets: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def splits_list(self) -> list[int]:
-        """Group sizes on the host (a device-to-host sync if they live on the device)."""
+        """Group sizes on the host, a fresh list (a device-to-host sync if they live on
+        the device)."""
         if isinstance(self.m_splits, torch.Tensor):
             return [int(v) for v in self.m_splits.tolist()]
-        return self.m_splits
+        return list(self.m_splits)
 
     def offsets(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Cumulative group ends ``[m0, m0+m1, ..., M]`` (length G) on ``device``.

@@ -58,7 +58,7 @@ class PluginFailure:
 
 
 def _failure(plugin: str, stage: str, exc: BaseException) -> PluginFailure:
-    LOGGER.warning("grouped_gemm plugin %s failed at %s: %s", plugin, stage, exc)
+    LOGGER.warning("grouped_gemm plugin %s failed at %s: %s", plugin, stage, exc, exc_info=exc)
     return PluginFailure(
         plugin=plugin,
         stage=stage,
@@ -102,7 +102,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
             manager.register(module, name=name)
         except Exception as exc:  # noqa: BLE001 - e.g. a hookimpl with a wrong signature
             failures.append(_failure(name, "register", exc))
-    for impl in manager.hook.grouped_gemm_backends.get_hookimpls():
+    for impl in _builtins_first(manager.hook.grouped_gemm_backends.get_hookimpls()):
         name = impl.plugin_name
 
         def add(backend: Any, _plugin: str = name) -> None:
@@ -114,8 +114,22 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
         try:
             kwargs = {"register": add} if "register" in impl.argnames else {}
             returned = impl.function(**kwargs)
+            if isinstance(returned, (str, bytes)) or (returned is not None and not hasattr(returned, "__iter__")):
+                raise TypeError(f"the hook returned {type(returned).__name__}; expected an iterable of backends")
             for backend in returned or ():
                 add(backend)
         except Exception as exc:  # noqa: BLE001 - a failing hook spares the other plugins
             failures.append(_failure(name, "backends", exc))
     return failures
+
+
+def _builtins_first(impls: list[Any]) -> list[Any]:
+    """Hook implementations with the built-ins first, in ``DEFAULT_PLUGINS`` order.
+
+    pluggy orders hooks by ``tryfirst`` / ``trylast`` and registration; a third-party
+    plugin could use that to register a backend under a built-in's name before the
+    built-in and replace it. Registered first, the built-in keeps its name and the later
+    duplicate is the one rejected and reported in ``plugin_failures()``.
+    """
+    rank = {name: i for i, name in enumerate(DEFAULT_PLUGINS)}
+    return sorted(impls, key=lambda impl: rank.get(impl.plugin_name, len(rank)))

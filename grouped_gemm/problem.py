@@ -37,8 +37,13 @@ class Problem:
     ``device`` is the chip dispatch reasons about (possibly described, see ``use_device``).
     ``m_align`` is the largest power of two (capped at the largest alignment any
     registered backend asks for) dividing every group's row count; 0 when the splits
-    live on the device and are not read. ``signature`` (computed once) is the
-    decision-cache key: every field, with M bucketed to a power of two.
+    live on the device and are not read. ``max_rows`` is the largest group's row count
+    rounded up to a power of two (so backends that pad groups can judge their waste
+    without a decision per distinct maximum); None when the splits live on the device,
+    or when no registered backend declaring ``max_padding`` takes G groups (it costs a
+    pass over the splits).
+    ``signature`` (computed once) is the decision-cache key: every field, with M
+    bucketed to a power of two.
     """
 
     op: Op
@@ -60,6 +65,7 @@ class Problem:
     contiguous: bool = True
     capturing: bool = False
     m_align: int = 1
+    max_rows: int | None = None
     signature: tuple = dataclasses.field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +103,14 @@ _KEY_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.name != "signatu
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two (0 stays 0)."""
     return 0 if m <= 0 else 1 << (m - 1).bit_length()
+
+
+def max_rows_bucket(splits: tuple[int, ...] | list[int] | None) -> int | None:
+    """``Problem.max_rows``: the largest split rounded up to a power of two (None for
+    device splits, which are not read)."""
+    if splits is None:
+        return None
+    return m_bucket(max(splits, default=0))
 
 
 def m_alignment(splits: list[int] | None, cap: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from grouped_gemm.errors import UnknownRecipeError
 
@@ -63,6 +63,14 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
     name and operand formats must stay those of the built-in.
     """
     if isinstance(recipe, Recipe):
+        # model_copy(update=...) skips validation: re-validate, or a bogus scale_rule
+        # would only fail inside a backend.
+        try:
+            Recipe.model_validate(recipe.model_dump())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise UnknownRecipeError(f"recipe.{field}", first.get("input"), first["msg"]) from None
         base = RECIPES.get(recipe.name)
         same = base is not None and all(
             getattr(recipe, f) == getattr(base, f) for f in ("plain_dtype", "act_format", "weight_format", "block_size")

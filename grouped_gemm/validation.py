@@ -14,6 +14,7 @@ import torch
 
 from grouped_gemm.arguments import (
     all_contiguous,
+    check_operand_kind,
     check_out,
     check_tensor,
     dtype_name,
@@ -42,6 +43,8 @@ from grouped_gemm.validation_mx import (
 )
 
 __all__ = ["dtype_name", "fwd_or_dgrad", "wgrad"]
+
+_STRIDED = torch.strided
 
 
 def fwd_or_dgrad(
@@ -75,6 +78,8 @@ def fwd_or_dgrad(
             return mx_fwd_or_dgrad(op, a, w, m_splits, recipe, out, out_dtype)
         w, groups, n, k, is_list = weight_operand(w, "w")
         w0 = w[0]
+    if a.requires_grad or w0.requires_grad or a.layout is not _STRIDED or w0.layout is not _STRIDED:
+        check_operand_kind([(a_arg, a), *(("w", t) for t in (w if is_list else [w]))])
     m, inner = a.shape
     if inner != (k if fwd else n):
         dims = "(M, K) with K" if fwd else "(M, N) with N"
@@ -82,14 +87,16 @@ def fwd_or_dgrad(
     device = a.device
     if w0.device != device:
         same_device(device, "w", w0)
+    if device.type == "meta":
+        check_operand_kind([(a_arg, a)])
     if isinstance(m_splits, list) and len(m_splits) == groups:
         try:
             lowest = min(m_splits)
             total = sum(m_splits)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # e.g. a multi-element tensor among them
             lowest = total = None
         if type(total) is int and type(lowest) is int and lowest >= 0 and total == m:
-            splits, host = m_splits, True
+            splits, host = tuple(m_splits), True
         else:
             splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     else:
@@ -98,7 +105,7 @@ def fwd_or_dgrad(
     if out is None and out_dtype is None:
         odt = dtype_name(a.dtype)
     else:
-        check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)")
+        check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
         odt = out_dtype_name(out_dtype, out, a.dtype)
     contiguous = a.is_contiguous() and (all_contiguous(w) if is_list else w.is_contiguous())
     problem = intern_problem(
@@ -131,6 +138,7 @@ def wgrad(
         raise ShapeError("x", x, f"(M, K) with M={m} rows like dy")
     device = dy.device
     same_device(device, "x", x)
+    check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
     groups = group_count(m_splits)
     splits, host = splits_operand(m_splits, groups, m, "dy", device)
     if quantized:
@@ -138,7 +146,7 @@ def wgrad(
         check_row_blocks(splits, host, (("dy", dy), ("x", x)))
     else:
         resolved = plain_recipe(recipe, dy, "dy", x, "x")
-    out, is_list = wgrad_out(out, groups, n, k, device, accumulate)
+    out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
     odt = out_dtype_name(out_dtype, out, default_out_dtype(dy))
     contiguous = mx_contiguous(dy, x) if quantized else all_contiguous(dy, x)
     problem = intern_problem(

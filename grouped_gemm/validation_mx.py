@@ -16,6 +16,7 @@ import torch
 
 from grouped_gemm import config
 from grouped_gemm.arguments import (
+    check_operand_kind,
     check_out,
     check_tensor,
     dtype_name,
@@ -155,9 +156,10 @@ def mx_fwd_or_dgrad(
     device = a.device
     if w0.device != device:
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
+    check_operand_kind([(name, t) for name, t in ((a_arg, a), ("w", w0)) if isinstance(t, torch.Tensor)])
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     resolved = mx_recipe(op, recipe, a, a_arg, w0, "w")
-    check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)")
+    check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
     odt = out_dtype_name(out_dtype, out, default_out_dtype(a))
     contiguous = mx_contiguous(a, *(w if is_list else (w,)))
     problem = intern_problem(

@@ -385,7 +385,8 @@ def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys):
     finally:
         gg.unregister_backend("bench_test_wrong_shape")
     assert code == 1
-    assert "ERROR: bench_test_wrong_shape" in out and "returned (164, 1), expected a tensor of shape (164, 64)" in out
+    # The core checks run()'s result against the problem before bench sees it.
+    assert "ERROR: bench_test_wrong_shape" in out and "run() returned shape (164, 1), expected (164, 64)" in out
 
 
 def test_prequantized_weights_reach_the_backend_and_are_checked_as_the_same_function(tmp_path, capsys):

@@ -258,11 +258,14 @@ def test_dispatch_stats_count_selections_and_fallbacks(args, make_backend, trio)
     for _ in range(3):
         gg.grouped_gemm(x, w, s)
     gg.grouped_gemm(x, w, s, backend="lo")
+    gg.grouped_gemm(x, w, s, backend="broken,lo")
     stats = gg.dispatch_stats()
-    assert stats["calls"] == 4
-    assert stats["selected"] == {"hi": 3, "lo": 1}
-    assert stats["fallbacks"] == {"hi": 3}  # "lo" was asked for and ran: nothing skipped
-    assert stats["skipped"] == {"broken:missing": 3}
+    assert stats["calls"] == 5
+    assert stats["selected"] == {"hi": 3, "lo": 2}
+    # Only skips of backends the user named are fallbacks, keyed "skipped -> selected":
+    # "broken" outranking "hi" by priority was never asked for.
+    assert stats["fallbacks"] == {"broken -> lo": 1}
+    assert stats["skipped"] == {"broken:missing": 4}
 
 
 def test_concurrent_dispatch_with_different_scopes(args, trio):

@@ -71,3 +71,27 @@ def test_capturable_with_device_splits(monkeypatch):
     torch.cuda.synchronize()
     assert rel_error(captured, ref_fwd(x, w, splits.tolist())) < 8e-3
     assert out.shape == captured.shape
+
+
+def test_refuses_splits_whose_padding_is_large(gen):
+    """G=16 with one big group would pad 15 one-row groups to thousands of rows."""
+    splits = [4081] + [1] * 15
+    x, w = torch.randn(4096, 16, generator=gen), torch.randn(16, 8, 16, generator=gen)
+    decision = gg.explain(x, w, splits)
+    reasons = decision.candidate("padded_bmm").reasons
+    assert [r.code for r in reasons] == ["shape"]
+    assert "too uneven" in reasons[0].message and "M=4096" in reasons[0].message
+    gg.configure(strict=True)
+    with pytest.raises(gg.BackendUnavailableError, match=r"padded_bmm.*too uneven"):
+        gg.grouped_gemm(x, w, splits, backend="padded_bmm")
+    balanced = [256] * 16
+    assert gg.explain(x, w, balanced).candidate("padded_bmm").eligible
+
+
+def test_ranks_below_torch_grouped_mm_on_cpu(gen):
+    """On CPU the padding is real work that torch._grouped_mm does not do."""
+    x, w = torch.randn(64, 16, generator=gen), torch.randn(4, 8, 16, generator=gen)
+    decision = gg.explain(x, w, [16] * 4)
+    names = [c.name for c in decision.candidates]
+    assert names.index("torch_grouped_mm") < names.index("padded_bmm")
+    assert decision.selected == "torch_grouped_mm"

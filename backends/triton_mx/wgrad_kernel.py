@@ -161,7 +161,9 @@ def wgrad_grouped_kernel(
         out = Out + g.to(tl.int64) * stride_og + rn.to(tl.int64)[:, None] * stride_on + rk[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
         if ACCUMULATE:
-            mask = mask & (last > first)
+            # A full-tile comparison: Triton 3.9's interpreter rejects a mask built from
+            # a block mask and a scalar comparison ("mask has unsupported dtype").
+            mask = mask & ((tl.zeros((BN, BK), dtype=tl.int32) + last) > first)
             acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
         tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
         t += NUM_PROGS

@@ -7,6 +7,7 @@ result was wrong or a backend raised (the table and JSON are written either way)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,8 +91,22 @@ def _backends(value: str) -> str | tuple[str, ...]:
     return tuple(parse_list(value, "backends", known))
 
 
+def _check_out_path(path: Path | None) -> None:
+    """Fail before the run, not after it, when ``--out`` cannot be written."""
+    if path is None:
+        return
+    parent = path.resolve().parent
+    if path.is_dir():
+        raise InvalidArgumentError("out", str(path), "a file path, not a directory")
+    if not parent.is_dir():
+        raise InvalidArgumentError("out", str(path), f"a path in an existing directory; {parent} is not one")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidArgumentError("out", str(path), "a writable path")
+
+
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
+    _check_out_path(args.out)
     device = torch_device(args.device)
     return BenchOptions(
         cases=tuple(select_cases(args.cases, args.scale)),

@@ -17,10 +17,11 @@ from typing import Any, Literal
 
 import torch
 
+from grouped_gemm.arguments import host_split_ints
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
-from grouped_gemm.mx.quantize import check_args, quantize_mx
+from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx
 from grouped_gemm.mx.tensor import MXTensor
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
@@ -104,16 +105,13 @@ def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.T
 
 def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | None, torch.Tensor]:
     """(host list or None, int64 sizes on ``device``) for validated-enough splits."""
-    if isinstance(m_splits, torch.Tensor):
+    if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
         if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
             raise SplitsError("m_splits", m_splits, "a 1-D integer tensor")
-        if m_splits.device.type != "cpu":
-            return None, m_splits.to(device, torch.int64)
-        m_splits = m_splits.tolist()
-    if not isinstance(m_splits, (list, tuple)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in m_splits
-    ):
-        raise SplitsError("m_splits", m_splits, "a list of ints or a 1-D integer tensor")
+        return None, m_splits.to(device, torch.int64)
+    if isinstance(m_splits, torch.Tensor) and m_splits.device.type == "meta":
+        raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or t's device), not meta")
+    m_splits = host_split_ints(m_splits)
     if not m_splits or min(m_splits) < 0 or sum(m_splits) != rows:
         raise SplitsError("m_splits", m_splits, f"at least one non-negative group size, summing to t.shape[0]={rows}")
     host = list(m_splits)
@@ -133,6 +131,7 @@ def quantize_mx_rows(
     group with zero rows to a multiple of ``align`` (a multiple of ``block_size``: 32, or
     a backend's K block for wgrad). On CUDA / ROCm the fused kernel reads the rows in
     place; on the CPU the padded rows are gathered, then quantized by torch."""
+    block_size = as_block_size(block_size)
     check_args(t, fmt, 0, scale_rule, block_size, True)
     if t.dim() != 2:
         raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")

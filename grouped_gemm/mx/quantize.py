@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, BLOCK_SIZES, FORMATS, INPUT_DTYPES, SCALE_RULES, MXFormat
 from grouped_gemm.mx.tensor import MXTensor
+
+
+def as_block_size(block_size: object) -> int:
+    """``block_size`` as a Python int: ints and numpy integers of an allowed size; bools,
+    floats (``32.0``) and anything else are rejected, naming the argument."""
+    if isinstance(block_size, (bool, float)):
+        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)")
+    try:
+        value = operator.index(block_size)
+    except TypeError:
+        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)") from None
+    if value not in BLOCK_SIZES:
+        raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
+    return value
 
 
 def check_args(
@@ -23,8 +39,7 @@ def check_args(
         raise InvalidArgumentError("fmt", fmt, f"one of {', '.join(FORMATS)}")
     if scale_rule not in SCALE_RULES:
         raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)}")
-    if block_size not in BLOCK_SIZES or isinstance(block_size, bool):
-        raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
+    block_size = as_block_size(block_size)
     if not isinstance(pad, bool):
         raise InvalidTypeError("pad", pad, "True or False")
     ndim = t.dim()
@@ -73,6 +88,7 @@ def quantize_mx(
     zeros (recorded in ``MXTensor.pad``). CUDA / ROCm tensors use a fused Triton kernel,
     bit-identical to the torch implementation used on the CPU. See docs/mx_formats.md.
     """
+    block_size = as_block_size(block_size)
     f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
     if t.device.type == "cuda":  # CUDA and ROCm
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it

@@ -15,6 +15,14 @@ import torch
 import grouped_gemm as gg
 
 CAPACITY_ENV = "GROUPED_GEMM_PADDED_BMM_CAPACITY"
+#: Padded rows (G x the largest group, as ``Problem.max_rows`` bounds it) may be at most
+#: this many times M (declared as ``max_padding``; the core refuses the rest). Balanced
+#: splits stay under it even with ``max_rows`` rounded up to a power of two (at most 2x);
+#: one large group among many (G=16: up to 16x) does not.
+MAX_PADDING = 4.0
+#: On CPU a padded bmm computes and copies the padding that ``torch._grouped_mm`` (priority
+#: 5 there) skips, so it ranks below it; elsewhere ``spec.priority`` applies.
+CPU_PRIORITY = 2
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -48,6 +56,7 @@ class PaddedBmmBackend(gg.Backend):
         recipes=frozenset({"bf16", "fp16", "fp32"}),
         vendors=frozenset({"cpu", "cuda", "rocm"}),
         max_groups=16,
+        max_padding=MAX_PADDING,
         priority=10,
     )
 
@@ -60,6 +69,9 @@ class PaddedBmmBackend(gg.Backend):
                 )
             ]
         return []
+
+    def priority(self, problem: gg.Problem) -> int:
+        return CPU_PRIORITY if problem.device.vendor == "cpu" else self.spec.priority
 
     def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
         a = inputs.a
