@@ -20,7 +20,7 @@ import torch
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
-from grouped_gemm.mx.quantize import check_args, quantize_mx
+from grouped_gemm.mx.quantize import check_args, quantize_mx, scale_rule_name
 from grouped_gemm.mx.tensor import MXTensor
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
@@ -134,6 +134,7 @@ def quantize_mx_rows(
     a backend's K block for wgrad). On CUDA / ROCm the fused kernel reads the rows in
     place; on the CPU the padded rows are gathered, then quantized by torch."""
     check_args(t, fmt, 0, scale_rule, block_size, True)
+    scale_rule = scale_rule_name(scale_rule)
     if t.dim() != 2:
         raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")
     if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:

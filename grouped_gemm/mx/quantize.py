@@ -10,6 +10,14 @@ from grouped_gemm.mx.formats import BLOCK_SIZE, BLOCK_SIZES, FORMATS, INPUT_DTYP
 from grouped_gemm.mx.tensor import MXTensor
 
 
+def scale_rule_name(scale_rule: object) -> str:
+    """The scale rule's canonical (lower-case) name; the docs write them FLOOR / RCEIL / EVEN."""
+    name = scale_rule.lower() if isinstance(scale_rule, str) else None
+    if name not in SCALE_RULES:
+        raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)} (any case)")
+    return name
+
+
 def check_args(
     t: object, fmt: object, axis: object, scale_rule: object, block_size: object, pad: object
 ) -> tuple[MXFormat, int, int]:
@@ -21,8 +29,7 @@ def check_args(
     f = FORMATS.get(fmt) if isinstance(fmt, str) else None
     if f is None:
         raise InvalidArgumentError("fmt", fmt, f"one of {', '.join(FORMATS)}")
-    if scale_rule not in SCALE_RULES:
-        raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)}")
+    scale_rule_name(scale_rule)
     if block_size not in BLOCK_SIZES or isinstance(block_size, bool):
         raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
     if not isinstance(pad, bool):
@@ -74,6 +81,7 @@ def quantize_mx(
     bit-identical to the torch implementation used on the CPU. See docs/mx_formats.md.
     """
     f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
+    scale_rule = scale_rule_name(scale_rule)
     if t.device.type == "cuda":  # CUDA and ROCm
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
