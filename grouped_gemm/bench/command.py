@@ -7,6 +7,7 @@ result was wrong or a backend raised (the table and JSON are written either way)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,9 @@ from grouped_gemm.problem import OPS
 # the CPU defaults keep a smoke run within seconds.
 _GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=10, max_reps=400, rounds=5)
 _CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20, rounds=1)
+#: Full-size MoE shapes take about half an hour on a CPU; by default a CPU run scales them
+#: down to a smoke run of a minute or two.
+_CPU_SCALE = 0.01
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="eligible",
         help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
     )
-    p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
+    p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {_CPU_SCALE} on the CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--warmup-ms", type=float, help="warm-up before a backend's first block, ms (GPU 25, CPU 2)")
     p.add_argument("--rep-ms", type=float, help="timed calls per backend and problem, in ms (GPU default 150, CPU 20)")
@@ -87,8 +91,9 @@ def _backends(value: str) -> str | tuple[str, ...]:
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     device = torch_device(args.device)
+    scale = args.scale if args.scale is not None else (_CPU_SCALE if device.type == "cpu" else 1.0)
     return BenchOptions(
-        cases=tuple(select_cases(args.cases, args.scale)),
+        cases=tuple(select_cases(args.cases, scale)),
         ops=tuple(parse_list(args.ops, "ops", OPS)),
         splits=tuple(parse_list(args.splits, "splits", SPLIT_KINDS)),
         recipes=tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES))),
@@ -106,6 +111,10 @@ def options(args: argparse.Namespace) -> BenchOptions:
 def run_command(args: argparse.Namespace) -> int:
     """``grouped-gemm bench``."""
     opts = options(args)
+    if opts.device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        # As in `grouped-gemm check`: without it the Triton backends cannot run on the CPU.
+        # Set before the backends load, since Triton reads it when kernels are decorated.
+        os.environ["TRITON_INTERPRET"] = "1"
     plot_missing = plot.missing() if args.plot else None
     if plot_missing:
         print(f"grouped-gemm bench: --plot: {plot_missing}", file=sys.stderr)
