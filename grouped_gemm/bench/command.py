@@ -140,7 +140,7 @@ def run_command(args: argparse.Namespace) -> int:
     print()
     print(report.table(result.rows))
     issues = report.problems_with_issues(result.rows)
-    for line in issues + report.ineligible_summary(result.ineligible):
+    for line in report.reliability_note(result.rows) + issues + report.ineligible_summary(result.ineligible):
         print(line)
     doc = report.document(opts, env, measured, result, elapsed)
     if args.out:
