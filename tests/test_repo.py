@@ -57,3 +57,10 @@ def test_built_in_backends_live_under_the_package_name():
     assert '"grouped_gemm.backends" = "backends"' in pyproject
     packages = re.search(r"packages = \[(.*?)\]", pyproject, re.S).group(1)
     assert all(p.strip().strip('"').startswith("grouped_gemm") for p in packages.split(",") if p.strip())
+
+
+def test_docs_cite_repository_paths_not_machine_paths():
+    """A reader has the repository, not the machine a document was written on."""
+    texts = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("examples/*.py")]
+    cited = {p.relative_to(ROOT).as_posix(): re.findall(r"`(/(?:work|home|tmp|root)/[^`]*)`", p.read_text()) for p in texts}
+    assert not {path: found for path, found in cited.items() if found}

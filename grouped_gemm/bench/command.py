@@ -31,10 +31,17 @@ _CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20, roun
 #: Full-size MoE shapes take about half an hour on a CPU; by default a CPU run scales them
 #: down to a smoke run of a minute or two.
 _CPU_SCALE = 0.01
+#: MX recipes on a CPU run Triton kernels in its interpreter, minutes per problem with many
+#: groups, so a CPU run without --cases takes one case with few groups.
+_CPU_MX_CASES = "mixtral_down"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", default="all", help="'all' or comma-separated case names of moe_shapes.json")
+    p.add_argument(
+        "--cases",
+        help=f"'all' (the default; on the CPU with an MX recipe: {_CPU_MX_CASES}) or comma-separated case names of "
+        "moe_shapes.json",
+    )
     p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated: fwd, dgrad, wgrad")
     p.add_argument("--splits", default="balanced,skewed", help="comma-separated: balanced, skewed")
     p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
@@ -91,12 +98,17 @@ def _backends(value: str) -> str | tuple[str, ...]:
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     device = torch_device(args.device)
-    scale = args.scale if args.scale is not None else (_CPU_SCALE if device.type == "cpu" else 1.0)
+    cpu = device.type == "cpu"
+    scale = args.scale if args.scale is not None else (_CPU_SCALE if cpu else 1.0)
+    recipes = tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES)))
+    cases = args.cases
+    if cases is None:
+        cases = _CPU_MX_CASES if cpu and any(gg.get_recipe(r).is_mx for r in recipes) else "all"
     return BenchOptions(
-        cases=tuple(select_cases(args.cases, scale)),
+        cases=tuple(select_cases(cases, scale)),
         ops=tuple(parse_list(args.ops, "ops", OPS)),
         splits=tuple(parse_list(args.splits, "splits", SPLIT_KINDS)),
-        recipes=tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES))),
+        recipes=recipes,
         backends=_backends(args.backends),
         device=device,
         plan=_plan(args, device),
