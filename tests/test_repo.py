@@ -65,3 +65,13 @@ def test_docs_cite_repository_paths_not_machine_paths():
     machine_path = re.compile(r"`(/(?:work|home|tmp|root)/[^`]*)`")
     cited = {p.relative_to(ROOT).as_posix(): machine_path.findall(p.read_text()) for p in texts}
     assert not {path: found for path, found in cited.items() if found}
+
+
+def test_readme_lists_the_triton_releases_ci_runs():
+    """The 'Tested versions' table names exactly the releases .ci/run hands to .ci/triton-matrix."""
+    run = (ROOT / ".ci" / "run").read_text()
+    ci = set(re.search(r"^bash \.ci/triton-matrix (.+)$", run, re.M).group(1).split())
+    table = re.findall(
+        r"^\| [^|]+ \| (\d+\.\d+\.\d+)[^|]*\| CPU, CI `\.ci/triton-matrix`", (ROOT / "README.md").read_text(), re.M
+    )
+    assert ci and set(table) == ci
