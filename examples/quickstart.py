@@ -1,7 +1,8 @@
 """Quickstart: grouped GEMMs for an MoE layer, the routing decision, a fallback warning.
 
-Runs anywhere: on a CPU the reference backend (or another CPU-capable one) does the work;
-on a GPU the fast backends do.  python examples/quickstart.py
+Runs anywhere: on a CPU a CPU-capable backend (``torch_grouped_mm``, or the ``padded_bmm``
+plugin when installed) does the work; on a GPU the fast backends do.
+python examples/quickstart.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ dw = gg.grouped_gemm_wgrad(dy, x, m_splits)    # wgrad: dw_g  = dy_g.T @ x_g
 print(gg.explain(x, w, m_splits))              # which backend, and why not the others
 """
 
-from grouped_gemm import ops
+from grouped_gemm import name_clash, ops
 from grouped_gemm.api import (
     BackendInfo,
     configure,
@@ -54,6 +54,8 @@ from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
 from grouped_gemm.splits import balanced_splits, skewed_splits
 
 __version__ = "0.1.0"
+
+name_clash.warn_if_clashing()
 
 __all__ = [
     "RECIPES",

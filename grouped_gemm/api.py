@@ -157,6 +157,7 @@ def describe_problem(
         device=info,
         placement="cpu" if info.vendor == "cpu" else "cuda",
         scale_rule=resolved.scale_rule,
+        grad_format=resolved.grad_format,  # as the real call sets it: dgrad / wgrad eligibility reads it
         host_splits=not device_splits,
         weight_list=weight_list,
         accumulate=accumulate,
@@ -219,7 +220,9 @@ class BackendInfo:
     """A registered backend as ``list_backends`` reports it.
 
     ``reasons_here`` says why it cannot run a representative problem (fwd, its first
-    recipe, G=8, M=N=K=1024) on this machine; empty means it can.
+    recipe, G=8, M=N=K=1024) on this machine; empty means it can. ``priority_here`` is
+    its priority for that problem (a backend may rank itself per device: ``spec.priority``
+    is only the default).
     """
 
     name: str
@@ -227,6 +230,7 @@ class BackendInfo:
     version: str
     spec: BackendSpec
     reasons_here: tuple[Reason, ...]
+    priority_here: int
 
     @property
     def available(self) -> bool:
@@ -252,6 +256,7 @@ def list_backends(device: DeviceInfo | str | None = None) -> list[BackendInfo]:
                 version=entry.spec.version,
                 spec=entry.spec,
                 reasons_here=decision.candidate(entry.spec.name).reasons,
+                priority_here=decision.candidate(entry.spec.name).priority,
             )
         )
     return out

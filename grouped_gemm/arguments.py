@@ -252,7 +252,12 @@ def _resolve_plain_recipe(
 ) -> Recipe:
     if recipe is None:
         if b.dtype != a.dtype:
-            raise DTypeError(b_arg, b, f"dtype {a.dtype}, the dtype of {a_arg} (or pass an MX recipe=)")
+            raise DTypeError(
+                b_arg,
+                b,
+                f"{a_arg} and {b_arg} must have one dtype, but {a_arg} is {a.dtype} and {b_arg} is {b.dtype}: "
+                "cast one of them (or pass an MX recipe=)",
+            )
         found = plain_recipe_for(dtype_name(a.dtype))
         if found is None:
             raise DTypeError(a_arg, a, f"dtype bfloat16, float16 or float32 (or pass recipe=), got {a.dtype}")
@@ -265,8 +270,8 @@ def _resolve_plain_recipe(
                 raise DTypeError(
                     name,
                     t,
-                    f"recipe {resolved.name} takes {resolved.plain_dtype} operands, got {t.dtype} "
-                    f"(the dtypes of {a_arg} and {b_arg} must match the recipe)",
+                    f"recipe {resolved.name} takes {resolved.plain_dtype} operands, but {a_arg} is {a.dtype} "
+                    f"and {b_arg} is {b.dtype}",
                 )
     else:
         for name, t in ((a_arg, a), (b_arg, b)):

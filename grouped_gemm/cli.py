@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import grouped_gemm as gg
@@ -23,26 +24,42 @@ def _support(spec: gg.BackendSpec) -> str:
     )
 
 
+#: Columns the human-readable output wraps to.
+WIDTH = 100
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    return textwrap.wrap(
+        text,
+        WIDTH,
+        initial_indent=f"  {label}",
+        subsequent_indent="    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     """List every backend, what it supports, and whether it can run here."""
     infos = gg.list_backends(args.arch)
     device = gg.describe_problem(groups=1, m=1, n=1, k=1, device=args.arch).device
     print(f"device: {device}")
+    print("priority: the backend's rank on this device when no order is set (higher first)")
     for info in infos:
         state = "available" if info.available else "unavailable: " + "; ".join(str(r) for r in info.reasons_here)
-        print(f"\n{info.name} {info.version}  (plugin {info.plugin}, priority {info.spec.priority})")
-        if info.spec.description:
-            print(f"  {info.spec.description}")
-        print(f"  supports: {_support(info.spec)}")
-        print(f"  here: {state}")
+        print(f"\n{info.name} {info.version}  (priority {info.priority_here})")
+        lines = _wrapped("", info.spec.description) if info.spec.description else []
+        lines += _wrapped("plugin: ", info.plugin)
+        lines += _wrapped("supports: ", _support(info.spec)) + _wrapped("here: ", state)
         status = _status(info.name)
         if status:
-            print(f"  status: {status}")
+            lines += _wrapped("status: ", status)
+        print("\n".join(lines))
     failures = gg.plugin_failures()
     if failures:
         print("\nplugins that failed to load:")
         for failure in failures:
-            print(f"  {failure}")
+            print("\n".join(_wrapped("", str(failure))))
     return 0
 
 
@@ -81,14 +98,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
         splits="skewed" if args.skew else "balanced",
         device_splits=args.device_splits,
         accumulate=args.accumulate,
+        out_dtype=args.out_dtype,
     )
-    print(decision.table())
+    print(decision.table(WIDTH))
     return 0 if decision.selected else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grouped-gemm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="grouped-gemm",
+        description="Inspect grouped_gemm's backends and routing decisions, check them, benchmark them. "
+        "Also runs as 'python -m grouped_gemm'.",
+    )
+    parser.set_defaults(func=lambda _: _print_help(parser))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("backends", help="list backends and whether they can run here")
     p.add_argument("--arch", choices=known_archs(), help="describe this arch instead of this machine")
@@ -110,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help="per-call order, e.g. 'torch_grouped_mm,reference'")
     p.add_argument("--device-splits", action="store_true", help="m_splits live on the device")
     p.add_argument("--accumulate", action="store_true", help="wgrad accumulating into an existing buffer")
+    p.add_argument(
+        "--out-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="output dtype (default: the inputs'); float32 with --accumulate is Megatron's main_grad",
+    )
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("bench", help="time every eligible backend against torch._grouped_mm on the MoE shapes")
@@ -120,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_arguments(p)
     p.set_defaults(func=check.run_command)
     return parser
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

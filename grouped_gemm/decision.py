@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from grouped_gemm.contract import Reason
 from grouped_gemm.problem import Problem
@@ -78,31 +79,43 @@ class Decision:
         chosen = self.selected or "none"
         return f"{self.problem}: selected {chosen}" + ("; skipped " + " | ".join(lines) if lines else "")
 
-    def table(self) -> str:
-        """The decision as a fixed-width table, every backend with its reasons."""
-        head = f"problem: {self.problem}\ndevice:  {self.problem.device}\n"
-        order = ", ".join(self.order) if self.order else "-"
-        head += f"order:   {self.order_source} ({order}){' strict' if self.strict else ''}\n"
-        rows = [("rank", "backend", "plugin", "prio", "eligible", "reasons")]
-        for rank, c in enumerate(self.candidates, 1):
-            mark = "*" if c.name == self.selected else ""
-            rows.append(
-                (
-                    f"{rank}{mark}",
-                    c.name,
-                    c.plugin,
-                    str(c.priority),
-                    "yes" if c.eligible else "no",
-                    "; ".join(str(r) for r in c.reasons),
-                )
+    def table(self, width: int = 100) -> str:
+        """The decision as a table, every backend with its reasons wrapped to ``width`` columns."""
+        if self.order:
+            order = f"{', '.join(self.order)} (set by {self.order_source}){' strict' if self.strict else ''}"
+        else:
+            order = "none set (per call, scope, configure or GROUPED_GEMM_BACKENDS), so priority decides"
+        head = [
+            f"problem: {self.problem}",
+            f"device:  {self.problem.device}",
+            f"order:   {order}",
+        ]
+        rows = [("rank", "backend", "prio", "eligible", "plugin")]
+        rows += [
+            (
+                f"{rank}{'*' if c.name == self.selected else ''}",
+                c.name,
+                str(c.priority),
+                "yes" if c.eligible else "no",
+                c.plugin,
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        body = "\n".join(
-            ("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5]).rstrip()
-            for row in rows
+            for rank, c in enumerate(self.candidates, 1)
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        body = []
+        for i, row in enumerate(rows):
+            body.append("  ".join(cell.ljust(w) for cell, w in zip(row, [*widths, 0], strict=True)).rstrip())
+            if i:
+                reasons = "; ".join(str(r) for r in self.candidates[i - 1].reasons)
+                body += textwrap.wrap(
+                    reasons, width, initial_indent="      ", subsequent_indent="        ", break_long_words=False
+                )
+        legend = (
+            "* = selected; prio = the backend's priority for this problem (used when no order names it, "
+            "higher first); eligible = no reason against it (reasons are indented below the backend)"
         )
-        tail = f"\nselected: {self.selected or 'none (no eligible backend)'}"
-        return head + body + tail
+        tail = [f"selected: {self.selected or 'none (no eligible backend)'}", *textwrap.wrap(legend, width)]
+        return "\n".join(head + body + tail)
 
     def __str__(self) -> str:
         return self.table()

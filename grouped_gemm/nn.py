@@ -17,7 +17,7 @@ from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
 from grouped_gemm.linear_math import recipe_key
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
-from grouped_gemm.recipes import Recipe, get_recipe
+from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.validation import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
@@ -34,6 +34,17 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidTypeError(name, value, "True or False")
     return value
+
+
+def _layer_recipe(recipe: str | Recipe | None, dtype: torch.dtype | None) -> Recipe:
+    """The recipe named, else (like ``nn.Linear``) the plain recipe of ``dtype``, bf16 without one."""
+    if recipe is not None:
+        return get_recipe(recipe)
+    if dtype is None:
+        return get_recipe("bf16")
+    if not isinstance(dtype, torch.dtype) or dtype not in _PARAM_DTYPES:
+        raise DTypeError("dtype", dtype, "torch.bfloat16, torch.float16, torch.float32 or None")
+    return plain_recipe_for(dtype_name(dtype))
 
 
 def _param_dtype(recipe: Recipe, dtype: torch.dtype | None) -> torch.dtype:
@@ -74,7 +85,9 @@ class GroupedLinear(torch.nn.Module):
     Each expert is initialised like ``nn.Linear``: uniform in ``±1/sqrt(in_features)``.
 
     ``recipe`` fixes the number formats (``"bf16"``, ``"fp16"``, ``"fp32"``, or an MX
-    recipe, for which ``dtype`` is the master weights' dtype, bf16 by default).
+    recipe, for which ``dtype`` is the master weights' dtype, bf16 by default). Without
+    one, the layer computes in ``dtype`` like ``nn.Linear`` (the plain recipe of that
+    dtype; bf16 when neither is given).
     ``fuse_wgrad_accumulation``: backward adds the weight gradient into each weight's
     ``main_grad`` (which the caller allocates, as Megatron-LM's DDP does) instead of
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
@@ -93,7 +106,7 @@ class GroupedLinear(torch.nn.Module):
         out_features: int,
         bias: bool = True,
         *,
-        recipe: str | Recipe = "bf16",
+        recipe: str | Recipe | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         separate_weights: bool = False,
@@ -103,7 +116,7 @@ class GroupedLinear(torch.nn.Module):
         self.num_groups = _positive("num_groups", num_groups)
         self.in_features = _positive("in_features", in_features)
         self.out_features = _positive("out_features", out_features)
-        self._recipe = get_recipe(recipe)
+        self._recipe = _layer_recipe(recipe, dtype)
         self._recipe_key = recipe_key(self._recipe)
         self.separate_weights = _flag("separate_weights", separate_weights)
         self.fuse_wgrad_accumulation = _flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)

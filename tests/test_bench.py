@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.bench import accuracy, ceilings, metrics, operands, plot, report, shapes, timing
+from grouped_gemm.bench import accuracy, ceilings, metrics, operands, plot, report, runner, shapes, timing
 from grouped_gemm.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,3 +421,65 @@ def test_mx_weights_both_times_each_mx_call_per_call_and_prequantized(tmp_path, 
     assert doc["options"]["mx_weights"] == "both"
     assert "a16w4 w:per-call" in out and "a16w4 w:prequantized" in out
     assert "= 8 problems (MX fwd/dgrad twice: --mx-weights both)" in out
+
+
+def _row(backend: str, role: str, times: list[float], rounds: int = 1, **fields) -> runner.Row:
+    median = sorted(times)[len(times) // 2]
+    return runner.Row(
+        case="c", groups=2, m=8, n=8, k=8, splits="balanced", op="fwd", recipe="bf16", weights="", backend=backend,
+        role=role,
+        status="ok", times_ms=times, round_medians_ms=[median] * rounds, median_ms=median, tflops=1.0, gbs=1.0,
+        pct_of_ceiling=fields.pop("pct", 10.0), sqnr_db=60.0, **fields,
+    )  # fmt: skip
+
+
+def test_single_round_outliers_are_flagged_not_printed_as_facts():
+    steady_peer = _row("torch._grouped_mm", "peer", [1.0, 1.1, 1.05])
+    noisy = _row("noisy", "backend", [0.01, 1.0, 2.0], vs_peer=171.0)
+    steady = _row("steady", "backend", [2.0, 2.1, 2.2], vs_peer=0.5)
+    several_rounds = _row("rounds", "backend", [0.01, 1.0, 2.0], rounds=5, vs_peer=1.0)
+    over_ceiling = _row("over", "backend", [1.0, 1.0], vs_peer=1.0, pct=250.0)
+    rows = [steady_peer, noisy, steady, several_rounds, over_ceiling]
+    assert [report.unreliable(r) for r in rows] == [False, True, False, False, False]
+    lines = {
+        r.backend: next(line for line in report.table(rows).splitlines() if f" {r.backend} " in line) for r in rows
+    }
+    assert "171.00?" in lines["noisy"] and "?" not in lines["steady"] and "?" not in lines["rounds"]
+    assert "250.0?" in lines["over"]
+    note = " ".join(report.reliability_note(rows))
+    assert "1 of 5 rows" in note and "--rounds 5" in note and "1 rows exceed the measured ceiling" in note
+    assert report.reliability_note([steady_peer, steady]) == []
+
+
+def test_ineligible_summary_gives_each_reason_once_with_its_count():
+    joined = "[recipe] recipe bf16 not supported; supports mxfp4; [arch] arch cpu not supported"
+    items = [
+        {"problem": "p1", "backend": "x", "reasons": "[recipe] recipe bf16 not supported; supports mxfp4"},
+        {"problem": "p2", "backend": "x", "reasons": joined},
+        {"problem": "p3", "backend": "x", "reasons": joined},
+    ]
+    lines = report.ineligible_summary(items)
+    assert lines[0] == "x: not eligible for 3 problem(s):"
+    assert lines[1:] == [
+        "  [recipe] recipe bf16 not supported; supports mxfp4 (3)",
+        "  [arch] arch cpu not supported (2)",
+    ]
+
+
+def test_cpu_ceilings_are_marked_as_orientation_and_fp8_as_emulated():
+    c = ceilings.Ceilings(matmul_tflops={"bf16": 0.3, "fp8": 0.000129}, copy_gbs=2.0)
+    line = report.ceilings_line(c, cpu=True)
+    assert "fp8 matmul 0.000129 TFLOP/s (emulated by torch on the CPU)" in line and "orientation only" in line
+    assert "emulated" not in report.ceilings_line(c)
+
+
+def test_cpu_default_is_a_smoke_run_and_scale_1_is_full_size():
+    from grouped_gemm.bench import command
+    from grouped_gemm.cli import build_parser
+
+    cpu = command.options(build_parser().parse_args(["bench", "--cases", "mixtral_down", "--device", "cpu"]))
+    full = command.options(
+        build_parser().parse_args(["bench", "--cases", "mixtral_down", "--device", "cpu", "--scale", "1"])
+    )
+    assert cpu.cases == tuple(shapes.select_cases("mixtral_down", 0.01))
+    assert full.cases == tuple(shapes.select_cases("mixtral_down", 1.0)) and full.cases[0].m > 50 * cpu.cases[0].m

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+import grouped_gemm as gg
 from grouped_gemm.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_backends_lists_every_backend_with_support_and_availability(capsys):
     assert main(["backends"]) == 0
     text = capsys.readouterr().out
-    assert "reference" in text and "plugin grouped_gemm.backends.reference" in text
+    assert "reference" in text and "plugin: grouped_gemm.backends.reference" in text
     assert "supports: ops dgrad,fwd,wgrad" in text
     assert "here: available" in text
 
@@ -62,3 +66,56 @@ def test_quickstart_runs_and_shows_the_decision():
     assert len(errors) == 3 and max(errors) < 1e-2
     if "Preferring" in proc.stdout:
         assert "FallbackWarning: grouped_gemm fallback" in proc.stderr
+
+
+def test_bare_command_prints_help(capsys):
+    assert main([]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: grouped-gemm") and "explain" in text and "``" not in text
+
+
+def _lines_fit(text: str, width: int = 100) -> None:
+    too_long = [line for line in text.splitlines() if len(line) > width]
+    assert not too_long, too_long
+
+
+def test_explain_wraps_and_explains_its_markers(capsys):
+    argv = ["explain", "--op", "wgrad", "--recipe", "mxfp4", "-G", "4", "-M", "256", "-N", "64", "-K", "128"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    _lines_fit(text)
+    assert "* = selected" in text and "prio = " in text and "so priority decides" in text
+
+
+def test_explain_out_dtype_asks_about_fp32_main_grad(capsys):
+    argv = ["explain", "--op", "wgrad", "-G", "4", "-M", "256", "-N", "64", "-K", "128", "--accumulate"]
+    assert main([*argv, "--out-dtype", "float32"]) == 0
+    assert "[bfloat16 x bfloat16 -> float32]" in capsys.readouterr().out
+
+
+def test_backends_show_the_priority_for_the_device_and_fit(capsys):
+    assert main(["backends"]) == 0
+    here = capsys.readouterr().out
+    _lines_fit(here)
+    assert "torch_grouped_mm" in here and "(priority 5)" in here.split("torch_grouped_mm", 1)[1].splitlines()[0]
+    assert main(["backends", "--arch", "sm_90"]) == 0
+    gpu = capsys.readouterr().out
+    assert "(priority 50)" in gpu.split("torch_grouped_mm", 1)[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "mxfp4"])
+def test_described_problem_is_the_real_calls_problem(op, recipe, gen):
+    """explain without tensors must decide what the call with tensors decides (grad_format included)."""
+    splits, n, k = [64, 0, 96, 32], 64, 128
+    m = sum(splits)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(len(splits), n, k, generator=gen).bfloat16()
+    dy = torch.randn(m, n, generator=gen).bfloat16()
+    args = {"fwd": (x, w), "dgrad": (dy, w), "wgrad": (dy, x)}[op]
+    real = gg.explain(*args, splits, op=op, recipe=recipe)
+    described = gg.explain(op=op, recipe=recipe, groups=len(splits), m=m, n=n, k=k, splits=splits)
+    assert described.problem == real.problem
+    assert described.selected == real.selected
+    if recipe == "mxfp4":
+        assert described.candidate("triton_mxfp4").eligible

@@ -191,3 +191,21 @@ def test_scale_decodes_as_powers_of_two():
     assert deq[0].item() == 2.0**-127  # byte 0 is 2^-127, not zero
     assert deq[32].item() == 1.0
     assert deq[64].item() == 2.0**127
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil", "even"])
+def test_scale_rule_names_are_case_insensitive(rule):
+    """The docs write FLOOR / RCEIL / EVEN; any case selects the same rule."""
+    t = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)) * 37.0
+    lower = gg.quantize_mx(t, "e4m3", scale_rule=rule)
+    for spelled in (rule.upper(), rule.capitalize()):
+        other = gg.quantize_mx(t, "e4m3", scale_rule=spelled)
+        assert torch.equal(other.scale, lower.scale) and torch.equal(other.data, lower.data)
+    rows = gg.quantize_mx_rows(t, [3, 1], "e4m3", scale_rule=rule.upper())
+    assert torch.equal(rows.tensor.scale, gg.quantize_mx_rows(t, [3, 1], "e4m3", scale_rule=rule).tensor.scale)
+
+
+@pytest.mark.parametrize("bad", ["rceil ", "round", None, 1])
+def test_unknown_scale_rule_is_named(bad):
+    with pytest.raises(gg.InvalidArgumentError, match=r"scale_rule.*floor, rceil, even"):
+        gg.quantize_mx(torch.ones(32), "e4m3", scale_rule=bad)

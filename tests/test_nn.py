@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.testing import poison, ref_wgrad, rel_error, sqnr_db
+from grouped_gemm.testing import poison, ref_fwd, ref_wgrad, rel_error, sqnr_db
 
 
 def expert_linears(layer: gg.GroupedLinear) -> list[torch.nn.Linear]:
@@ -61,6 +61,24 @@ def test_parameter_dtype_follows_recipe(recipe, dtype, expected):
     assert gg.GroupedLinear(2, 32, 32, recipe=recipe, dtype=dtype).weight.dtype == expected
 
 
+@pytest.mark.parametrize(
+    "dtype,recipe",
+    [(None, "bf16"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")],
+)
+def test_recipe_follows_dtype_like_nn_linear(dtype, recipe, gen):
+    """Without a recipe, ``dtype`` decides it (the plain recipe of that dtype), as for nn.Linear."""
+    layer = gg.GroupedLinear(3, 16, 8, dtype=dtype)
+    assert layer.recipe.name == recipe and layer.weight.dtype == (dtype or torch.bfloat16)
+    splits = [5, 0, 7]
+    x = torch.randn(sum(splits), 16, generator=gen).to(layer.weight.dtype)
+    y = layer(x, splits)
+    assert y.dtype == layer.weight.dtype
+    expected = ref_fwd(x, layer.weight.detach(), splits) + torch.repeat_interleave(
+        layer.bias.detach().double(), torch.tensor(splits), dim=0
+    )
+    assert rel_error(y, expected) < {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-6}[recipe]
+
+
 def test_init_matches_nn_linear_bounds():
     torch.manual_seed(0)
     layer = gg.GroupedLinear(8, 64, 32, recipe="fp32")
@@ -85,6 +103,8 @@ def test_meta_device_construction():
         ({"recipe": "int8"}, gg.UnknownRecipeError, "recipe"),
         ({"recipe": "bf16", "dtype": torch.float32}, gg.DTypeError, "dtype"),
         ({"recipe": "mxfp8", "dtype": torch.float64}, gg.DTypeError, "dtype"),
+        ({"dtype": torch.float64}, gg.DTypeError, "dtype"),
+        ({"dtype": "float32"}, gg.DTypeError, "dtype"),
         ({"bias": 1}, gg.InvalidTypeError, "bias"),
         ({"separate_weights": "yes"}, gg.InvalidTypeError, "separate_weights"),
         ({"fuse_wgrad_accumulation": None}, gg.InvalidTypeError, "fuse_wgrad_accumulation"),

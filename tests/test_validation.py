@@ -70,13 +70,16 @@ def test_k_mismatch(fwd_args):
 
 def test_dtype_mismatch_between_x_and_w(fwd_args):
     x, w, s = fwd_args
-    with pytest.raises(gg.DTypeError, match=r"w=.*dtype torch.bfloat16, the dtype of x"):
+    """Either operand may be the wrong one, so the message names both dtypes."""
+    with pytest.raises(gg.DTypeError, match=r"x is torch.bfloat16 and w is torch.float32"):
         gg.grouped_gemm(x.bfloat16(), w, s)
+    with pytest.raises(gg.DTypeError, match=r"dy is torch.float32 and x is torch.bfloat16"):
+        gg.grouped_gemm_wgrad(torch.randn(x.shape[0], 16), x.bfloat16(), s)
 
 
 def test_dtype_against_recipe(fwd_args):
     x, w, s = fwd_args
-    with pytest.raises(gg.DTypeError, match="recipe bf16 takes bfloat16"):
+    with pytest.raises(gg.DTypeError, match=r"recipe bf16 takes bfloat16 operands, but x is torch.float32 and w is"):
         gg.grouped_gemm(x, w, s, recipe="bf16")
     with pytest.raises(gg.DTypeError, match="dtype bfloat16, float16 or float32"):
         gg.grouped_gemm(x.double(), w.double(), s)

@@ -28,10 +28,20 @@ from grouped_gemm.problem import OPS
 # the CPU defaults keep a smoke run within seconds.
 _GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=10, max_reps=400, rounds=5)
 _CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20, rounds=1)
+#: Full-size MoE shapes take about half an hour on a CPU; by default a CPU run scales them
+#: down to a smoke run of a minute or two.
+_CPU_SCALE = 0.01
+#: MX recipes on a CPU run Triton kernels in its interpreter, minutes per problem with many
+#: groups, so a CPU run without --cases takes one case with few groups.
+_CPU_MX_CASES = "mixtral_down"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", default="all", help="'all' or comma-separated case names of moe_shapes.json")
+    p.add_argument(
+        "--cases",
+        help=f"'all' (the default; on the CPU with an MX recipe: {_CPU_MX_CASES}) or comma-separated case names of "
+        "moe_shapes.json",
+    )
     p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated: fwd, dgrad, wgrad")
     p.add_argument("--splits", default="balanced,skewed", help="comma-separated: balanced, skewed")
     p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
@@ -40,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="eligible",
         help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
     )
-    p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
+    p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {_CPU_SCALE} on the CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--warmup-ms", type=float, help="warm-up before a backend's first block, ms (GPU 25, CPU 2)")
     p.add_argument("--rep-ms", type=float, help="timed calls per backend and problem, in ms (GPU default 150, CPU 20)")
@@ -108,11 +118,17 @@ def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     _check_out_path(args.out)
     device = torch_device(args.device)
+    cpu = device.type == "cpu"
+    scale = args.scale if args.scale is not None else (_CPU_SCALE if cpu else 1.0)
+    recipes = tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES)))
+    cases = args.cases
+    if cases is None:
+        cases = _CPU_MX_CASES if cpu and any(gg.get_recipe(r).is_mx for r in recipes) else "all"
     return BenchOptions(
-        cases=tuple(select_cases(args.cases, args.scale)),
+        cases=tuple(select_cases(cases, scale)),
         ops=tuple(parse_list(args.ops, "ops", OPS)),
         splits=tuple(parse_list(args.splits, "splits", SPLIT_KINDS)),
-        recipes=tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES))),
+        recipes=recipes,
         backends=_backends(args.backends),
         device=device,
         plan=_plan(args, device),
@@ -127,6 +143,10 @@ def options(args: argparse.Namespace) -> BenchOptions:
 def run_command(args: argparse.Namespace) -> int:
     """``grouped-gemm bench``."""
     opts = options(args)
+    if opts.device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        # As in `grouped-gemm check`: without it the Triton backends cannot run on the CPU.
+        # Set before the backends load, since Triton reads it when kernels are decorated.
+        os.environ["TRITON_INTERPRET"] = "1"
     plot_missing = plot.missing() if args.plot else None
     if plot_missing:
         print(f"grouped-gemm bench: --plot: {plot_missing}", file=sys.stderr)
@@ -154,7 +174,7 @@ def run_command(args: argparse.Namespace) -> int:
     print()
     print(report.table(result.rows))
     issues = report.problems_with_issues(result.rows)
-    for line in issues + report.ineligible_summary(result.ineligible):
+    for line in report.reliability_note(result.rows) + issues + report.ineligible_summary(result.ineligible):
         print(line)
     doc = report.document(opts, env, measured, result, elapsed)
     if args.out:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +75,34 @@ def _sig(value: float | None) -> str:
 
 _CHECK = {"ok": "ok", "wrong": "WRONG", "error": "error", "skipped": "skipped"}
 
+#: Timed calls of one backend that differ by more than this factor, in a run of a single
+#: round, measured the machine's load rather than the backend (a shared CPU does this).
+UNRELIABLE_SPREAD = 2.0
+#: Columns the footer wraps to.
+WIDTH = 100
 
-def _row_cells(r: Row) -> list[str]:
-    ratio = _num(r.vs_peer, 2) if r.status == "ok" else ""
+
+def unreliable(r: Row) -> bool:
+    """Whether a row's timing is not a figure to quote: one round whose calls disagree by
+    more than UNRELIABLE_SPREAD (several rounds give a median the load can move less)."""
+    times = [t for t in r.times_ms if t > 0]
+    if r.status != "ok" or len(r.round_medians_ms) > 1 or not times:
+        return False
+    return len(times) < 2 or max(times) / min(times) > UNRELIABLE_SPREAD
+
+
+def _row_cells(r: Row, peer: Row | None) -> list[str]:
+    mark = "?" if unreliable(r) else ""
+    over = "?" if r.pct_of_ceiling is not None and r.pct_of_ceiling > 100 else ""
+    ratio = ""
+    if r.status == "ok":
+        ratio = _num(r.vs_peer, 2) + ("?" if r.vs_peer is not None and (mark or (peer and unreliable(peer))) else "")
     return [
         r.backend,
-        _sig(r.median_ms),
-        _sig(r.tflops),
-        _sig(r.gbs),
-        _num(r.pct_of_ceiling),
+        _sig(r.median_ms) + mark,
+        _sig(r.tflops) + mark,
+        _sig(r.gbs) + mark,
+        _num(r.pct_of_ceiling) + (mark or over),
         ratio,
         _num(r.sqnr_db),
         _CHECK.get(r.status, r.status),
@@ -102,13 +123,14 @@ def table(rows: list[Row]) -> str:
     """Fixed-width table, one line per backend and problem (problem columns on its first line)."""
     head = ["case", "G", "M", "N", "K", "splits", "op", "recipe", "backend", "ms", "TFLOP/s", "GB/s", "%ceil"]
     out = [[*head, "vs peer", "SQNR dB", "check"]]
+    peers = {_problem_key(r): r for r in rows if r.role == "peer"}
     last = None
     for r in rows:
         key = _problem_key(r)
         first = key != last
         last = key
         problem = [r.case, str(r.groups), str(r.m), str(r.n), str(r.k), r.splits, r.op, _recipe_cell(r)]
-        out.append((problem if first else [""] * len(problem)) + _row_cells(r))
+        out.append((problem if first else [""] * len(problem)) + _row_cells(r, peers.get(key)))
     widths = [max(len(line[i]) for line in out) for i in range(len(out[0]))]
     numeric = set(range(1, 5)) | set(range(9, 15))
     lines = []
@@ -116,6 +138,24 @@ def table(rows: list[Row]) -> str:
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def reliability_note(rows: list[Row]) -> list[str]:
+    """What a ``?`` in the table means, when there is one."""
+    flagged = sum(unreliable(r) for r in rows)
+    over = sum(r.pct_of_ceiling is not None and r.pct_of_ceiling > 100 for r in rows)
+    if not flagged and not over:
+        return []
+    text = "?: not a figure to quote."
+    if flagged:
+        text += (
+            f" {flagged} of {len(rows)} rows ran one round whose timed calls differ by more than "
+            f"{UNRELIABLE_SPREAD:g}x (a busy or shared machine); their ratios to the peer are flagged too."
+            " Rerun with --rounds 5 on an idle machine before quoting them."
+        )
+    if over:
+        text += f" {over} rows exceed the measured ceiling, so that ceiling measurement was low."
+    return textwrap.wrap(text, WIDTH)
 
 
 def problems_with_issues(rows: list[Row]) -> list[str]:
@@ -128,16 +168,20 @@ def problems_with_issues(rows: list[Row]) -> list[str]:
 
 
 def ineligible_summary(ineligible: list[dict[str, Any]]) -> list[str]:
-    """Per backend: on how many problems it was not eligible, and the distinct reasons."""
+    """Per backend: on how many problems it was not eligible, and each distinct reason once."""
     by_backend: dict[str, dict[str, int]] = {}
+    problems: dict[str, int] = {}
     for item in ineligible:
+        problems[item["backend"]] = problems.get(item["backend"], 0) + 1
         reasons = by_backend.setdefault(item["backend"], {})
-        reasons[item["reasons"]] = reasons.get(item["reasons"], 0) + 1
+        # A problem's reasons arrive joined with "; "; messages contain "; " too, codes do not.
+        for reason in re.split(r"; (?=\[)", item["reasons"]):
+            reasons[reason] = reasons.get(reason, 0) + 1
     lines = []
     for name, reasons in sorted(by_backend.items()):
-        count = sum(reasons.values())
-        shown = "; ".join(list(reasons)[:2]) + (" ..." if len(reasons) > 2 else "")
-        lines.append(f"{name}: not eligible for {count} problem(s): {shown}")
+        lines.append(f"{name}: not eligible for {problems[name]} problem(s):")
+        for reason, count in reasons.items():
+            lines += textwrap.wrap(f"{reason} ({count})", WIDTH, initial_indent="  ", subsequent_indent="    ")
     return lines
 
 
@@ -155,18 +199,22 @@ def header(environment: dict[str, Any], ceilings: Ceilings, opts: BenchOptions) 
         f"device: {where}",
         f"software: torch {environment['torch']}, triton {environment['triton']}, grouped_gemm "
         f"{environment['grouped_gemm']} at {commit}; {environment['date']}",
-        "ceilings: " + ceilings_line(ceilings),
+        "ceilings: " + ceilings_line(ceilings, cpu=dev["type"] != "cuda"),
         f"timing: {timing_line(opts)}",
     ]
     return "\n".join(lines)
 
 
-def ceilings_line(ceilings: Ceilings) -> str:
+def ceilings_line(ceilings: Ceilings, *, cpu: bool = False) -> str:
     size = ceilings.sizes.get("matmul")
-    parts = [f"{kind} matmul {_sig(v)} TFLOP/s" for kind, v in sorted(ceilings.matmul_tflops.items())]
+    parts = [
+        f"{kind} matmul {_sig(v)} TFLOP/s" + (" (emulated by torch on the CPU)" if cpu and kind == "fp8" else "")
+        for kind, v in sorted(ceilings.matmul_tflops.items())
+    ]
     parts += [f"{kind} {why}" for kind, why in sorted(ceilings.notes.items())]
     copy = f"copy {_sig(ceilings.copy_gbs)} GB/s (read + write)" if ceilings.copy_gbs else "copy not measured"
-    return ", ".join(parts + [copy]) + f" (matmul {size}^3)"
+    line = ", ".join(parts + [copy]) + f" (matmul {size}^3)"
+    return line + ("; on a CPU, one short measurement: for orientation only" if cpu else "")
 
 
 def timing_line(opts: BenchOptions) -> str:
@@ -194,7 +242,7 @@ def markdown(rows: list[Row], environment: dict[str, Any], ceilings: Ceilings) -
         + f"; torch {environment['torch']}, triton {environment['triton']}; commit {(git['commit'] or '?')[:12]}"
         + (" (uncommitted changes)" if git.get("dirty") else "")
         + "  ",
-        f"Ceilings: {ceilings_line(ceilings)}",
+        f"Ceilings: {ceilings_line(ceilings, cpu=dev['type'] != 'cuda')}",
         "",
         "| case | G | M | N | K | splits | op | recipe | " + " | ".join(columns) + " |",
         "|" + "---|" * (8 + len(columns)),

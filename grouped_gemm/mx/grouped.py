@@ -21,7 +21,7 @@ from grouped_gemm.arguments import host_split_ints
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
-from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx
+from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx, scale_rule_name
 from grouped_gemm.mx.tensor import MXTensor
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
@@ -133,6 +133,7 @@ def quantize_mx_rows(
     place; on the CPU the padded rows are gathered, then quantized by torch."""
     block_size = as_block_size(block_size)
     check_args(t, fmt, 0, scale_rule, block_size, True)
+    scale_rule = scale_rule_name(scale_rule)
     if t.dim() != 2:
         raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")
     if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:

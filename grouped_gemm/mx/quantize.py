@@ -26,6 +26,14 @@ def as_block_size(block_size: object) -> int:
     return value
 
 
+def scale_rule_name(scale_rule: object) -> str:
+    """The scale rule's canonical (lower-case) name; the docs write them FLOOR / RCEIL / EVEN."""
+    name = scale_rule.lower() if isinstance(scale_rule, str) else None
+    if name not in SCALE_RULES:
+        raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)} (any case)")
+    return name
+
+
 def check_args(
     t: object, fmt: object, axis: object, scale_rule: object, block_size: object, pad: object
 ) -> tuple[MXFormat, int, int]:
@@ -37,8 +45,7 @@ def check_args(
     f = FORMATS.get(fmt) if isinstance(fmt, str) else None
     if f is None:
         raise InvalidArgumentError("fmt", fmt, f"one of {', '.join(FORMATS)}")
-    if scale_rule not in SCALE_RULES:
-        raise InvalidArgumentError("scale_rule", scale_rule, f"one of {', '.join(SCALE_RULES)}")
+    scale_rule_name(scale_rule)
     block_size = as_block_size(block_size)
     if not isinstance(pad, bool):
         raise InvalidTypeError("pad", pad, "True or False")
@@ -90,6 +97,7 @@ def quantize_mx(
     """
     block_size = as_block_size(block_size)
     f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
+    scale_rule = scale_rule_name(scale_rule)
     if t.device.type == "cuda":  # CUDA and ROCm
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
