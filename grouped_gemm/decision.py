@@ -107,9 +107,9 @@ class Decision:
             body.append("  ".join(cell.ljust(w) for cell, w in zip(row, [*widths, 0], strict=True)).rstrip())
             if i:
                 reasons = "; ".join(str(r) for r in self.candidates[i - 1].reasons)
-                body += textwrap.wrap(
-                    reasons, width, initial_indent="      ", subsequent_indent="        ", break_long_words=False
-                )
+                indent = {"initial_indent": "      ", "subsequent_indent": "        "}
+                # Paths and names stay whole: a reader copies them.
+                body += textwrap.wrap(reasons, width, break_long_words=False, break_on_hyphens=False, **indent)
         legend = (
             "* = selected; prio = the backend's priority for this problem (used when no order names it, "
             "higher first); eligible = no reason against it (reasons are indented below the backend)"
