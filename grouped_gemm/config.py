@@ -4,7 +4,9 @@ Backend order precedence, highest first: the per-call ``backend=`` argument, the
 innermost ``use_backends`` scope with an entry for the recipe, ``configure(backends=)``,
 ``GROUPED_GEMM_BACKENDS``, then each backend's declared priority. An order is a
 preference: backends it names come first, the rest follow by priority, unless
-``strict`` is on, in which case only the named ones may run.
+``strict`` is on, in which case only the named ones may run. With ``autotune`` on
+(``configure``, ``GROUPED_GEMM_AUTOTUNE``, or a scope's ``autotune=``), measured times
+replace the declared priority; an order the user set still wins.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ ENV_VARS = {
     "GROUPED_GEMM_LOG_LEVEL": "level of the 'grouped_gemm' logger (DEBUG shows every decision)",
     "GROUPED_GEMM_CHECK_SPLITS": "1 to assert on the device that device-resident m_splits are "
     "non-negative and sum to M (asynchronous, no host sync)",
+    "GROUPED_GEMM_AUTOTUNE": "1 to time the eligible backends on a problem's first call and keep the fastest "
+    "(instead of declared priority), persisted under GROUPED_GEMM_CACHE_DIR/autotune",
     "GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD": "1 to skip entry-point plugins (built-ins still load)",
 }
 
@@ -52,6 +56,7 @@ class Settings(BaseModel):
     strict: bool = False
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = None
     check_device_splits: bool = False
+    autotune: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Scope:
     order: Order | None
     strict: bool | None
     warn_fallback: bool | None
+    autotune: bool | None = None
 
 
 def parse_order(value: OrderLike, argument: str = "backends") -> Order:
@@ -126,6 +132,7 @@ def read_env(environ: Mapping[str, str]) -> Settings:
         ("warn_fallback", "GROUPED_GEMM_WARN_FALLBACK"),
         ("strict", "GROUPED_GEMM_STRICT"),
         ("check_device_splits", "GROUPED_GEMM_CHECK_SPLITS"),
+        ("autotune", "GROUPED_GEMM_AUTOTUNE"),
     ):
         if name in environ:
             values[field] = _env_bool(name, environ[name])
@@ -194,7 +201,7 @@ def configure(**changes: Any) -> Settings:
     """Set process-wide options in code; they override the environment.
 
     ``backends`` (an order, or None to clear), ``warn_fallback``, ``strict``,
-    ``log_level``, ``check_device_splits``. Returns the settings now in force.
+    ``log_level``, ``check_device_splits``, ``autotune``. Returns the settings now in force.
     """
     updates = dict(changes)
     if updates.get("backends") is not None:
@@ -235,19 +242,21 @@ def use_backends(
     *,
     strict: bool | None = None,
     warn_fallback: bool | None = None,
+    autotune: bool | None = None,
 ) -> Iterator[None]:
-    """Prefer backends (and optionally set strict / fallback warnings) inside a block.
+    """Prefer backends (and optionally set strict / fallback warnings / autotune) inside a block.
 
     Scopes nest; the innermost one with an entry for a call's recipe decides the order.
     They are local to the thread and to the asyncio task.
     """
-    for name, flag in (("strict", strict), ("warn_fallback", warn_fallback)):
+    for name, flag in (("strict", strict), ("warn_fallback", warn_fallback), ("autotune", autotune)):
         if flag is not None and not isinstance(flag, bool):
             raise ConfigError(name, flag, "True, False or None")
     frame = Scope(
         order=None if order is None else parse_order(order),
         strict=strict,
         warn_fallback=warn_fallback,
+        autotune=autotune,
     )
     token = _scopes.set(_scopes.get() + (frame,))
     try:

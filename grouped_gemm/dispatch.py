@@ -14,7 +14,7 @@ import warnings
 from collections import Counter
 from typing import Any
 
-from grouped_gemm import config
+from grouped_gemm import autotune, config
 from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.eligibility import declared_reasons
@@ -38,6 +38,8 @@ class _Routed:
     backend: BackendLike | None
     fallback_pairs: tuple[tuple[str, str], ...]
     calls: int = 0
+    config: Any = None
+    tune_pending: bool = False
 
 
 def _evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
@@ -69,11 +71,12 @@ def _preference(
 ) -> tuple[str, tuple[str, ...], bool, bool]:
     """(source, names, strict, warn) for a problem from every configuration level."""
     current = config.settings()
-    strict, warn = current.strict, current.warn_fallback
+    strict, warn, tune = current.strict, current.warn_fallback, current.autotune
     scopes = config.active_scopes()
     for scope in scopes:
         strict = scope.strict if scope.strict is not None else strict
         warn = scope.warn_fallback if scope.warn_fallback is not None else warn
+        tune = scope.autotune if scope.autotune is not None else tune
     levels: list[tuple[str, config.Order | None]] = [("call", call_order)]
     levels += [("scope", s.order) for s in reversed(scopes)]
     levels.append(("configure" if config.set_in_code("backends") else "env", current.backends))
@@ -82,7 +85,7 @@ def _preference(
         if names:
             check_names(names, reg, "GROUPED_GEMM_BACKENDS" if source == "env" else "backend")
             return source, names, strict, warn
-    return "priority", (), strict, warn
+    return ("autotune" if tune else "priority"), (), strict, warn
 
 
 def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[Decision, bool]:
@@ -119,6 +122,8 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
         order=tuple(names),
         strict=strict,
     )
+    if source == "autotune":
+        decision = autotune.TUNER.apply(decision)
     if LOGGER.isEnabledFor(10):
         LOGGER.debug("grouped_gemm decision:\n%s", decision.table())
     return decision, warn
@@ -134,19 +139,33 @@ class Dispatcher:
         self._warned: set[tuple] = set()
         self._all: list[_Routed] = []
 
-    def route(self, problem: Problem, call_order: config.Order | None) -> _Routed:
-        """The cached route for a problem, deciding (and warning) on a miss."""
+    def route(self, problem: Problem, call_order: config.Order | None, inputs: GroupedInputs | None = None) -> _Routed:
+        """The cached route for a problem, deciding (and warning) on a miss; with
+        ``inputs``, an autotune decision still pending is measured on them first."""
         reg = _registry if _registry._loaded else registry()
         stamp = (config._state.version, reg.epoch)
         key = (problem.signature, config._scopes.get(), call_order)
         if stamp == self._stamp:
             routed = self._cache.get(key)
-            if routed is not None:
+            if routed is not None and not (
+                routed.tune_pending and inputs is not None and autotune.can_measure(problem)
+            ):
                 return routed
         decision, warn = decide(problem, call_order)
+        if decision.tune_pending and inputs is not None and autotune.can_measure(problem):
+            autotune.TUNER.measure(problem, inputs, decision)
+            with self._lock:  # routes decided before (under capture, say) may use it now
+                self._cache = {}
+            decision, warn = decide(problem, call_order)
         backend = reg.get(decision.selected).backend if decision.selected else None
         pairs = tuple((c.name, r.code) for c in decision.skipped for r in c.reasons)
-        routed = _Routed(decision=decision, backend=backend, fallback_pairs=pairs)
+        routed = _Routed(
+            decision=decision,
+            backend=backend,
+            fallback_pairs=pairs,
+            config=decision.config,
+            tune_pending=decision.tune_pending,
+        )
         with self._lock:
             if stamp != self._stamp:
                 self._cache = {}
@@ -169,14 +188,17 @@ class Dispatcher:
 
     def run(self, problem: Problem, inputs: GroupedInputs, call_order: config.Order | None) -> Any:
         """Route and run; a backend's exception comes back as BackendRunError."""
-        routed = self.route(problem, call_order)
+        routed = self.route(problem, call_order, inputs)
         backend = routed.backend
         if backend is None:
             raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
         with self._lock:
             routed.calls += 1
         try:
-            result = backend.run(problem, inputs)
+            if routed.config is None:
+                result = backend.run(problem, inputs)
+            else:
+                result = backend.run_config(problem, inputs, routed.config)
         except Exception as exc:
             raise BackendRunError(backend.spec.name, problem, exc) from exc
         out = inputs.out
@@ -206,10 +228,12 @@ class Dispatcher:
             "selected": dict(selected),
             "fallbacks": dict(fallbacks),
             "skipped": {f"{n}:{code}": v for (n, code), v in sorted(skipped.items())},
+            "autotune": autotune.TUNER.counters(),
         }
 
     def reset_stats(self) -> None:
         """Forget counts and warned decisions (the cache stays)."""
+        autotune.TUNER.reset_counters()
         with self._lock:
             for routed in self._all:
                 routed.calls = 0
