@@ -62,12 +62,12 @@ _AGREEMENT_CAP_DB = 50.0
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Per contender: a probe of ``probe_calls``, then ``rounds`` blocks, each a warm-up
+    """Per contender: a probe (the fastest of ``probe_calls``), then ``rounds`` blocks, each a warm-up
     (``warmup_ms`` before the first block, a quarter of it before the others, at least
     ``min_warmup`` calls) and ``rep_ms / rounds`` of timed calls (``min_reps`` to
     ``max_reps`` timed calls in all)."""
 
-    probe_calls: int = 2
+    probe_calls: int = 3
     warmup_ms: float = 10.0
     min_warmup: int = 2
     rep_ms: float = 30.0
@@ -428,12 +428,13 @@ class Tuner:
         for c in live:
             try:
                 clock.sync()
-                start = clock.stamp()
+                stamps = []
                 for _ in range(plan.probe_calls):
+                    start = clock.stamp()
                     c.call(problem, inputs)
-                end = clock.stamp()
+                    stamps.append((start, clock.stamp()))
                 clock.sync()
-                c.estimate_ms = clock.ms(start, end) / plan.probe_calls
+                c.estimate_ms = min(clock.ms(s, e) for s, e in stamps)  # one hiccup must not prune
             except Exception as exc:  # noqa: BLE001
                 c.note = f"raised {type(exc).__name__}: {exc}"
         live = [c for c in live if not c.note]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm import autotune, testing, tuning_store, validation
+from grouped_gemm import autotune, cli, testing, tuning_store, validation
 from grouped_gemm.dispatch import DISPATCHER
 from grouped_gemm.registry import registry
 from grouped_gemm.tuning_store import AutotuneCacheWarning, Timing, Tuning
@@ -313,3 +313,20 @@ def test_concurrent_writers_leave_a_valid_file_with_every_entry(tmp_path):
     assert sorted(entries) == sorted(f"{tag}{i}" for tag in "ab" for i in range(25))
     assert all(isinstance(e, Tuning) and e.origin == "loaded" for e in entries.values())
     assert not list(path.parent.glob("*.tmp"))
+
+
+def test_tune_command_pretunes_and_shows(only, capsys):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    argv = ["tune", "--cases", "qwen3_30b_gateup_decode", "--scale", "0.01", "--ops", "fwd,wgrad"]
+    assert cli.main([*argv, "--splits", "skewed", "--recipe", "fp32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("qwen3_30b_gateup_decode")]
+    assert [(r[2], r[4], r[5], r[-1]) for r in rows] == [
+        ("fwd", "fast", "slow", "measured"),
+        ("wgrad", "fast", "slow", "measured"),
+    ]
+    assert "tuned 2 signature(s)" in out
+    assert cli.main(["tune", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "(this machine, loaded now)" in shown and "2 choice(s)" in shown
+    assert "fwd fp32 G=128 M=5 N=32 K=32" in shown
