@@ -171,7 +171,7 @@ def main() -> int:
     p.add_argument("--recipes", help="default: bf16 and every MX recipe (--quick: bf16, mxfp4)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--budget-s", type=float, help="start no problem after this many seconds (--quick: 270)")
+    p.add_argument("--budget-s", type=float, help="start no problem after this many seconds (--quick: 250)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results", help="directory of the JSON")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -180,7 +180,7 @@ def main() -> int:
     if args.child:
         return child(args, device)
     started = time.perf_counter()
-    budget = args.budget_s if args.budget_s is not None else (270.0 if args.quick else float("inf"))
+    budget = args.budget_s if args.budget_s is not None else (250.0 if args.quick else float("inf"))
     recipes = parse_list(args.recipes, "recipes", tuple(gg.RECIPES)) if args.recipes else None
     recipes = recipes or (["bf16", *QUICK_MX] if args.quick else ["bf16", *MX_RECIPES])
     plan = _CPU_PLAN if device.type == "cpu" else (_QUICK_PLAN if args.quick else _FULL_PLAN)

@@ -26,6 +26,7 @@ declared priority.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -187,7 +188,7 @@ class _Clock:
 
 @dataclasses.dataclass
 class _Contender:
-    """One backend (and config) being measured, with its own scratch output."""
+    """One backend (and config) being measured, with its own scratch output (``_scratch``)."""
 
     name: str
     backend: Any
@@ -341,7 +342,9 @@ class Tuner:
         """Time every eligible contender of a pending decision on the call's operands,
         store and persist the outcome. The caller's ``out`` is never written."""
         plan = plan or PLAN
-        with self._lock, torch.no_grad():
+        device = getattr(inputs.a, "device", None)
+        on_device = torch.cuda.device(device) if problem.placement == "cuda" else contextlib.nullcontext()
+        with self._lock, torch.no_grad(), on_device:
             stored = self.lookup(problem)
             eligible = [c for c in decision.candidates if c.eligible]
             if stored is not None and {c.name for c in eligible} <= stored.backends():
@@ -392,8 +395,7 @@ class Tuner:
             except Exception as exc:  # noqa: BLE001 - a broken plugin hook excludes only it
                 excluded.append(Timing(candidate.name, None, None, 0, f"configs(): {type(exc).__name__}: {exc}"))
                 continue
-            for config in [None, *configs]:
-                contenders.append(_Contender(candidate.name, backend, config, _scratch(problem, inputs.out)))
+            contenders += [_Contender(candidate.name, backend, config) for config in [None, *configs]]
         return contenders, excluded
 
     @staticmethod
@@ -403,6 +405,7 @@ class Tuner:
         results: list[tuple[_Contender, torch.Tensor]] = []
         for c in contenders:
             try:
+                c.scratch = _scratch(problem, inputs.out)
                 results.append((c, _as_tensor(c.call(problem, inputs))))
                 clock.sync()
             except Exception as exc:  # noqa: BLE001 - measured failures exclude, never propagate

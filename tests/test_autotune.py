@@ -330,3 +330,42 @@ def test_tune_command_pretunes_and_shows(only, capsys):
     shown = capsys.readouterr().out
     assert "(this machine, loaded now)" in shown and "2 choice(s)" in shown
     assert "fwd fp32 G=128 M=5 N=32 K=32" in shown
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_tunes_on_the_device_and_captures_with_the_stored_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    splits = gg.skewed_splits(8, 4096)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(4096, 1024, generator=gen, **bf16)
+    w = torch.randn(8, 512, 1024, generator=gen, **bf16) / 32
+    dy = torch.randn(4096, 512, generator=gen, **bf16)
+    gg.configure(autotune=True)
+    y = gg.grouped_gemm(x, w, splits, out=testing.poison(torch.empty(4096, 512, **bf16)))
+    assert testing.sqnr_db(y, testing.ref_fwd(x, w, splits)) >= 40.0
+    decision = gg.explain(x, w, splits)
+    assert decision.order_source == "autotune" and decision.tuning.origin == "measured"
+    usable = [t for t in decision.tuning.timings if t.usable]
+    assert len(usable) >= 2  # torch_grouped_mm and multistream at least
+    chosen = decision.tuning.fastest_ms(decision.selected)
+    assert chosen <= min(t.ms for t in usable) * (1 + autotune.TIE_MARGIN)
+    # wgrad into an fp32 main_grad: tuning leaves it alone, the real run adds exactly once
+    main_grad = torch.randn(8, 512, 1024, generator=gen, device=device)
+    init = main_grad.clone()
+    gg.grouped_gemm_wgrad(dy, x, splits, out=main_grad, accumulate=True)
+    assert testing.rel_error(main_grad, testing.ref_wgrad(dy, x, splits) + init.double()) < 1e-4
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 2
+    # device splits: tuned eagerly, then captured without measuring (a sync would break capture)
+    dev_splits = torch.tensor(splits, device=device)
+    gg.grouped_gemm(x, w, dev_splits)
+    tuned = gg.dispatch_stats()["autotune"]["tuned"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gg.grouped_gemm(x, w, dev_splits)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert testing.sqnr_db(captured, testing.ref_fwd(x, w, splits)) >= 40.0
+    assert gg.dispatch_stats()["autotune"]["tuned"] == tuned
