@@ -489,11 +489,5 @@ class Tuner:
             self.cost_ms = 0.0
             self._loaded_used.clear()
 
-    def forget(self) -> None:
-        """Drop every choice held in memory (files stay), e.g. to re-measure in a benchmark."""
-        with self._lock:
-            self._tables.clear()
-            self._files.clear()
-
 
 TUNER = Tuner()
