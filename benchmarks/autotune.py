@@ -12,7 +12,10 @@ bf16 and in each MX recipe where at least two backends are eligible here, it
    problem) and ``vs priority`` = time(priority choice) / time(tuned choice) - 1.
 
 Last, a fresh process calls the first problem again with the same cache directory and
-must measure nothing (``tuned 0, loaded 1``). ``--quick`` (the H200 run, under 5 minutes)
+must measure nothing (``tuned 0, loaded 1``). The run points ``GROUPED_GEMM_CACHE_DIR``
+at a new temporary directory, so any compiled-kernel cache under that variable starts
+cold too and first-call compilation shows in the tuning cost. Separate timings run each
+backend's default ``run``; no built-in backend offers kernel configs yet. ``--quick`` (the H200 run, under 5 minutes)
 lightens the separate timing, limits the MX recipes to ``mxfp4`` on four cases and stops
 starting problems after ``--budget-s``. Writes ``<out>/autotune.json`` (``--out``, else
 ``$OUT``, else ``bench-results/``) and prints the table last.
