@@ -270,8 +270,9 @@ def _check_order(order: config.OrderLike, argument: str) -> None:
 def configure(**changes: Any) -> config.Settings:
     """Set process-wide options in code (they override the environment):
     ``backends`` (an order, None clears it), ``warn_fallback``, ``strict``, ``log_level``,
-    ``check_device_splits``, ``debug`` (check that backends leave their inputs unmodified).
-    Flags take True / False only. Returns the settings now in force."""
+    ``check_device_splits``, ``debug`` (check that backends leave their inputs unmodified),
+    ``autotune`` (time the eligible backends on a problem's first call instead of trusting
+    declared priority). Flags take True / False only. Returns the settings now in force."""
     if changes.get("backends") is not None:
         _check_order(changes["backends"], "backends")
     return config.configure(**changes)
@@ -284,17 +285,19 @@ def use_backends(
     strict: bool | None = None,
     warn_fallback: bool | None = None,
     debug: bool | None = None,
+    autotune: bool | None = None,
 ) -> Iterator[None]:
-    """Prefer backends (and optionally set strict / fallback warnings / debug checks)
-    inside a block.
+    """Prefer backends (and optionally set strict / fallback warnings / debug checks /
+    autotune) inside a block.
 
     ``order`` is a name, a list of names, an order string (``"mxfp4:a,b;bf16:c"``) or a
     recipe -> names mapping. ``debug=True`` checks after every call that the backend did
-    not modify its inputs in place. Scopes nest and are local to the thread and asyncio task.
+    not modify its inputs in place. ``autotune=True`` ranks by measured time where no order
+    applies (see ``configure``). Scopes nest and are local to the thread and asyncio task.
     """
     if order is not None:
         _check_order(order, "order")
-    with config.use_backends(order, strict=strict, warn_fallback=warn_fallback, debug=debug):
+    with config.use_backends(order, strict=strict, warn_fallback=warn_fallback, debug=debug, autotune=autotune):
         yield
 
 
@@ -314,7 +317,8 @@ def plugin_failures() -> list[PluginFailure]:
 
 
 def dispatch_stats() -> dict[str, Any]:
-    """Calls per selected backend, fallbacks, and skips per (backend, reason code)."""
+    """Calls per selected backend, fallbacks, skips per (backend, reason code), and
+    ``autotune``: signatures tuned here / loaded from disk, calls made while measuring."""
     return DISPATCHER.stats()
 
 

@@ -1,4 +1,4 @@
-"""``grouped-gemm`` (also ``python -m grouped_gemm``): inspect backends and decisions, check, benchmark."""
+"""``grouped-gemm`` (also ``python -m grouped_gemm``): inspect backends and decisions, check, benchmark, tune."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import grouped_gemm as gg
 from grouped_gemm import check
 from grouped_gemm.bench import command as bench
+from grouped_gemm.bench import tune
 from grouped_gemm.device import known_archs
 from grouped_gemm.problem import OPS
 from grouped_gemm.registry import registry
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time every eligible backend against torch._grouped_mm on the MoE shapes")
     bench.add_arguments(p)
     p.set_defaults(func=bench.run_command)
+
+    p = sub.add_parser("tune", help="pre-tune the MoE shapes for autotuning (--show: the stored choices)")
+    tune.add_arguments(p)
+    p.set_defaults(func=tune.run_command)
 
     p = sub.add_parser("check", help="check every backend that runs here against the reference (pass/fail)")
     check.add_arguments(p)

@@ -4,7 +4,9 @@ Backend order precedence, highest first: the per-call ``backend=`` argument, the
 innermost ``use_backends`` scope with an entry for the recipe, ``configure(backends=)``,
 ``GROUPED_GEMM_BACKENDS``, then each backend's declared priority. An order is a
 preference: backends it names come first, the rest follow by priority, unless
-``strict`` is on, in which case only the named ones may run.
+``strict`` is on, in which case only the named ones may run. With ``autotune`` on
+(``configure``, ``GROUPED_GEMM_AUTOTUNE``, or a scope's ``autotune=``), measured times
+replace the declared priority; an order the user set still wins.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ ENV_VARS = {
     "GROUPED_GEMM_LOG_LEVEL": "level of the 'grouped_gemm' logger (DEBUG shows every decision)",
     "GROUPED_GEMM_CHECK_SPLITS": "1 to assert on the device that device-resident m_splits are "
     "non-negative and sum to M (asynchronous, no host sync)",
+    "GROUPED_GEMM_AUTOTUNE": "1 to time the eligible backends on a problem's first call and keep the fastest "
+    "(instead of declared priority), persisted under GROUPED_GEMM_CACHE_DIR/autotune",
     "GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD": "1 to skip entry-point plugins (built-ins still load)",
     "GROUPED_GEMM_DEBUG": "1 to check every backend call: inputs not modified in place (tensor versions)",
 }
@@ -59,6 +63,7 @@ class Settings(BaseModel):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = None
     check_device_splits: bool = False
     debug: bool = False
+    autotune: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Scope:
     strict: bool | None
     warn_fallback: bool | None
     debug: bool | None = None
+    autotune: bool | None = None
 
 
 def parse_order(value: OrderLike, argument: str = "backends") -> Order:
@@ -144,6 +150,7 @@ def read_env(environ: Mapping[str, str]) -> Settings:
         ("strict", "GROUPED_GEMM_STRICT"),
         ("check_device_splits", "GROUPED_GEMM_CHECK_SPLITS"),
         ("debug", "GROUPED_GEMM_DEBUG"),
+        ("autotune", "GROUPED_GEMM_AUTOTUNE"),
     ):
         if name in environ:
             values[field] = _env_bool(name, environ[name])
@@ -236,7 +243,7 @@ def configure(**changes: Any) -> Settings:
     """Set process-wide options in code; they override the environment.
 
     ``backends`` (an order, or None to clear), ``warn_fallback``, ``strict``,
-    ``log_level``, ``check_device_splits``, ``debug``. Flags take ``True`` / ``False``
+    ``log_level``, ``check_device_splits``, ``debug``, ``autotune``. Flags take ``True`` / ``False``
     only. Returns the settings now in force.
     """
     updates = dict(changes)
@@ -282,14 +289,16 @@ def use_backends(
     strict: bool | None = None,
     warn_fallback: bool | None = None,
     debug: bool | None = None,
+    autotune: bool | None = None,
 ) -> Iterator[None]:
-    """Prefer backends (and optionally set strict / fallback warnings / debug checks)
-    inside a block.
+    """Prefer backends (and optionally set strict / fallback warnings / debug checks /
+    autotune) inside a block.
 
     Scopes nest; the innermost one with an entry for a call's recipe decides the order.
     They are local to the thread and to the asyncio task.
     """
-    for name, flag in (("strict", strict), ("warn_fallback", warn_fallback), ("debug", debug)):
+    flags = (("strict", strict), ("warn_fallback", warn_fallback), ("debug", debug), ("autotune", autotune))
+    for name, flag in flags:
         if flag is not None and not isinstance(flag, bool):
             raise ConfigError(name, flag, "True, False or None")
     frame = Scope(
@@ -297,6 +306,7 @@ def use_backends(
         strict=strict,
         warn_fallback=warn_fallback,
         debug=debug,
+        autotune=autotune,
     )
     token = _scopes.set(_scopes.get() + (frame,))
     try:

@@ -135,7 +135,9 @@ class Backend(abc.ABC):
     """Convenience base class: subclasses set ``spec`` and implement ``run``.
 
     Override ``check`` for eligibility a spec cannot declare, and ``priority`` when the
-    best backend depends on the problem (it is called once per problem signature).
+    best backend depends on the problem (it is called once per problem signature). To let
+    autotuning pick kernel configs too, define ``configs(problem) -> list[dict]`` (small
+    dicts of JSON scalars) and ``run_config(problem, inputs, config)`` (``grouped_gemm.autotune``).
     """
 
     spec: BackendSpec

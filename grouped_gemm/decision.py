@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from grouped_gemm.contract import Reason
 from grouped_gemm.problem import Problem
+
+if TYPE_CHECKING:
+    from grouped_gemm.tuning_store import Tuning
 
 #: Reason codes that mean "this backend was never meant for this kind of call" (a GPU
 #: backend on CPU tensors, a bf16-only backend for an MX recipe). Skipping such a
@@ -41,7 +46,9 @@ class Decision:
     """The full routing decision for one problem signature.
 
     ``candidates`` are in rank order; ``order_source`` says which level set the
-    preference (``call``, ``scope``, ``configure``, ``env`` or ``priority``).
+    preference (``call``, ``scope``, ``configure``, ``env``, ``autotune`` or
+    ``priority``). With ``autotune``: ``tuning`` holds the measured times (None until
+    the first call measures, ``tune_pending``), ``config`` the chosen kernel config.
     """
 
     problem: Problem
@@ -50,6 +57,9 @@ class Decision:
     order_source: str
     order: tuple[str, ...]
     strict: bool
+    config: Mapping[str, Any] | None = None
+    tuning: Tuning | None = None
+    tune_pending: bool = False
 
     @property
     def skipped(self) -> tuple[Candidate, ...]:
@@ -83,6 +93,8 @@ class Decision:
         """The decision as a table, every backend with its reasons wrapped to ``width`` columns."""
         if self.order:
             order = f"{', '.join(self.order)} (set by {self.order_source}){' strict' if self.strict else ''}"
+        elif self.order_source == "autotune":
+            order = "autotune (no order set; measured times rank the eligible backends, below)"
         else:
             order = "none set (per call, scope, configure or GROUPED_GEMM_BACKENDS), so priority decides"
         head = [
@@ -114,8 +126,30 @@ class Decision:
             "* = selected; prio = the backend's priority for this problem (used when no order names it, "
             "higher first); eligible = no reason against it (reasons are indented below the backend)"
         )
-        tail = [f"selected: {self.selected or 'none (no eligible backend)'}", *textwrap.wrap(legend, width)]
-        return "\n".join(head + body + tail)
+        selected = f"selected: {self.selected or 'none (no eligible backend)'}"
+        if self.config is not None:
+            selected += " [" + ",".join(f"{k}={v}" for k, v in self.config.items()) + "]"
+        tail = [selected, *textwrap.wrap(legend, width)]
+        return "\n".join(head + body + tail) + self._tuning_table()
+
+    def _tuning_table(self) -> str:
+        """Measured times per contender, for ``order: autotune``."""
+        if self.order_source != "autotune":
+            return ""
+        t = self.tuning
+        if t is None:
+            state = "pending: measured on the first call" if self.tune_pending else "nothing measured"
+            return f"\nautotune: {state}; declared priority until then"
+        lines = [
+            f"\nautotune: {t.origin} {t.measured_at} at M={t.m}, cost {t.cost_ms:.1f} ms; "
+            f"declared priority would pick {t.priority_choice or 'none'}"
+        ]
+        width = max(len(x.label) for x in t.timings)
+        for x in t.timings:
+            ms = f"{x.ms:10.4f} ms" if x.ms is not None else " " * 13
+            chosen = "*" if x.backend == self.selected and x.config == self.config else " "
+            lines.append(f"  {chosen} {x.label.ljust(width)}  {ms}  {x.calls:4d} calls  {x.note}".rstrip())
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()

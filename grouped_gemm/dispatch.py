@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from grouped_gemm import config
+from grouped_gemm import autotune, config
 from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.eligibility import declared_reasons
@@ -45,6 +45,8 @@ class _Routed:
     debug: bool
     calls: int = 0
     used: bool = False
+    config: Any = None
+    tune_pending: bool = False
 
 
 #: (backend, what misbehaved, exception type) already logged: a broken plugin is logged
@@ -114,11 +116,12 @@ def _preference(
 ) -> tuple[str, tuple[str, ...], bool, bool]:
     """(source, names, strict, warn) for a problem from every configuration level."""
     current = config.settings()
-    strict, warn = current.strict, current.warn_fallback
+    strict, warn, tune = current.strict, current.warn_fallback, current.autotune
     scopes = config.active_scopes()
     for scope in scopes:
         strict = scope.strict if scope.strict is not None else strict
         warn = scope.warn_fallback if scope.warn_fallback is not None else warn
+        tune = scope.autotune if scope.autotune is not None else tune
     levels: list[tuple[str, config.Order | None]] = [("call", call_order)]
     levels += [("scope", s.order) for s in reversed(scopes)]
     levels.append(("configure" if config.set_in_code("backends") else "env", current.backends))
@@ -127,7 +130,7 @@ def _preference(
         if names:
             check_names(names, reg, "GROUPED_GEMM_BACKENDS" if source == "env" else "backend")
             return source, names, strict, warn
-    return "priority", (), strict, warn
+    return ("autotune" if tune else "priority"), (), strict, warn
 
 
 def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[Decision, bool]:
@@ -164,6 +167,8 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
         order=tuple(names),
         strict=strict,
     )
+    if source == "autotune":
+        decision = autotune.TUNER.apply(decision)
     if LOGGER.isEnabledFor(10):
         LOGGER.debug("grouped_gemm decision:\n%s", decision.table())
     return decision, warn
@@ -195,22 +200,33 @@ class Dispatcher:
         self._live: list[_Routed] = []
         self._retired: Counter[tuple[str, str]] = Counter()
 
-    def route(self, problem: Problem, call_order: config.Order | None) -> _Routed:
-        """The cached route for a problem, deciding (and warning) on a miss."""
+    def route(self, problem: Problem, call_order: config.Order | None, inputs: GroupedInputs | None = None) -> _Routed:
+        """The cached route for a problem, deciding (and warning) on a miss; with
+        ``inputs``, an autotune decision still pending is measured on them first."""
         reg = _registry if _registry._loaded else registry()
         stamp = (config._state.version, reg.epoch)
         key = (problem.signature, config._scopes.get(), call_order)
         if stamp == self._stamp:
             routed = self._cache.get(key)
-            if routed is not None:
+            if routed is not None and not (
+                routed.tune_pending and inputs is not None and autotune.can_measure(problem)
+            ):
                 routed.used = True
                 return routed
         decision, warn = decide(problem, call_order)
+        if decision.tune_pending and inputs is not None and autotune.can_measure(problem):
+            autotune.TUNER.measure(problem, inputs, decision)
+            with self._lock:  # routes decided before (under capture, say) may use it now
+                self._retire(list(self._cache.values()))
+                self._cache.clear()
+            decision, warn = decide(problem, call_order)
         backend = reg.get(decision.selected).backend if decision.selected else None
         pairs = tuple((c.name, r.code) for c in decision.skipped for r in c.reasons)
         chosen = decision.selected or "none"
         named = tuple(f"{c.name} -> {chosen}" for c in decision.skipped if c.preferred)
-        routed = _Routed(decision, backend, pairs, named, _debug_checks())
+        routed = _Routed(
+            decision, backend, pairs, named, _debug_checks(), config=decision.config, tune_pending=decision.tune_pending
+        )
         with self._lock:
             if stamp != self._stamp:
                 self._retire(list(self._cache.values()))
@@ -262,7 +278,7 @@ class Dispatcher:
         A backend's exception, a result of the wrong type, shape, dtype or device, and
         (in debug mode) an input it modified in place all come back as BackendRunError.
         """
-        routed = self.route(problem, call_order)
+        routed = self.route(problem, call_order, inputs)
         backend = routed.backend
         if backend is None:
             raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
@@ -271,7 +287,10 @@ class Dispatcher:
         name = backend.spec.name
         versions = input_versions(inputs) if routed.debug else None
         try:
-            result = backend.run(problem, inputs)
+            if routed.config is None:
+                result = backend.run(problem, inputs)
+            else:
+                result = backend.run_config(problem, inputs, routed.config)
         except Exception as exc:
             raise BackendRunError(name, problem, exc) from exc
         if versions is not None:
@@ -299,10 +318,11 @@ class Dispatcher:
         for (kind, label), count in sorted(totals.items()):
             if count:
                 by_kind[kind][label] = count
-        return {"calls": sum(by_kind["selected"].values()), **by_kind}
+        return {"calls": sum(by_kind["selected"].values()), **by_kind, "autotune": autotune.TUNER.counters()}
 
     def reset_stats(self) -> None:
         """Forget counts and warned decisions (the cache stays)."""
+        autotune.TUNER.reset_counters()
         with self._lock:
             for routed in self._cache.values():
                 routed.calls = 0

@@ -1,0 +1,493 @@
+"""Autotuning: time a problem's eligible backends on its own operands and keep the fastest.
+
+Off by default; on with ``configure(autotune=True)``, ``GROUPED_GEMM_AUTOTUNE=1`` or a
+``use_backends(autotune=True)`` scope. It replaces only the declared-priority ranking:
+an order the user set (per call, scope, ``configure`` or environment) still decides.
+
+On the first call of a problem signature the dispatcher hands the call's operands to
+``Tuner.measure``: every eligible backend (and every kernel config a backend offers
+through the optional ``configs(problem)`` / ``run_config(problem, inputs, config)``
+hook) runs once into a scratch buffer -- never into the caller's ``out``; with
+``accumulate`` each starts from a copy of it -- and the results are compared with each
+other. A contender that raises, or disagrees with the majority beyond the output
+dtype's tolerance, is excluded with the reason. The others are probed (a contender
+more than ``PRUNE_FACTOR`` times slower than the fastest probe stops there), then
+timed in rounds, each after a warm-up, taking turns (CUDA events on a GPU, the
+monotonic ``perf_counter`` on the CPU); the median wins. Times within ``TIE_MARGIN``
+of the fastest count as a tie, which declared priority breaks, so equal timings give
+the same choice every time. The choice lands in the decision cache (later calls pay
+nothing) and in a JSON file per device (``tuning_store``), which later processes load
+instead of measuring.
+
+Nothing is measured under CUDA-graph capture, under ``torch.compile`` tracing, or for a
+described device (``use_device``): a stored choice is used if there is one, else
+declared priority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grouped_gemm import tuning_store
+from grouped_gemm.config import LOGGER
+from grouped_gemm.decision import Candidate, Decision
+from grouped_gemm.device import DeviceInfo
+from grouped_gemm.inputs import GroupedInputs
+from grouped_gemm.problem import Problem, m_bucket
+from grouped_gemm.registry import Registry, registry
+from grouped_gemm.tuning_store import Config, Timing, Tuning
+
+#: Times within this fraction of the fastest are a tie, broken by declared priority.
+TIE_MARGIN = 0.02
+#: A contender whose probe is this many times the fastest probe is not timed further.
+PRUNE_FACTOR = 2.0
+#: More configs than this from one backend are a plugin bug (tuning cost explodes).
+MAX_CONFIGS = 32
+#: Elements compared per chunk, so agreement checks need no float64 copy of a result.
+_CHUNK = 1 << 24
+_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
+#: fp32 results legitimately differ by accumulation order (and TF32, if the user allows it).
+_AGREEMENT_CAP_DB = 50.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per contender: a probe (the fastest of ``probe_calls``), then ``rounds`` blocks, each a warm-up
+    (``warmup_ms`` before the first block, a quarter of it before the others, at least
+    ``min_warmup`` calls) and ``rep_ms / rounds`` of timed calls (``min_reps`` to
+    ``max_reps`` timed calls in all)."""
+
+    probe_calls: int = 3
+    warmup_ms: float = 10.0
+    min_warmup: int = 2
+    rep_ms: float = 30.0
+    min_reps: int = 6
+    max_reps: int = 90
+    rounds: int = 3
+
+    def block(self, per_call_ms: float, first: bool) -> tuple[int, int]:
+        """(warm-up calls, timed calls) of one block for a call of ``per_call_ms``."""
+        per_call = max(per_call_ms, 1e-4)
+        warmup = max(self.min_warmup if first else 1, int((self.warmup_ms if first else self.warmup_ms / 4) / per_call))
+        reps = int(self.rep_ms / self.rounds / per_call)
+        return warmup, min(max(1, self.max_reps // self.rounds), max(-(-self.min_reps // self.rounds), reps))
+
+
+PLAN = Plan()
+
+
+def agreement_floor_db(out_dtype: str) -> float:
+    """The SQNR two correct results of one problem reach against each other.
+
+    Each is the exact result rounded to ``p`` significand bits (at most 2^-p relative
+    error, 20 p log10(2) dB), so two of them differ by up to twice that: 6 dB less.
+    Capped at 50 dB, since fp32 results differ by accumulation order. bf16: 42.2 dB.
+    """
+    bits = _SIGNIFICAND_BITS.get(out_dtype, 8)
+    return min(_AGREEMENT_CAP_DB, 20.0 * bits * math.log10(2.0) - 6.0)
+
+
+def agreement_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """SQNR of ``other`` against ``reference`` in dB, over elements finite in both (they
+    must be non-finite at the same places, else -inf); inf when equal."""
+    if reference.shape != other.shape:
+        return -math.inf
+    a, b = reference.reshape(-1), other.reshape(-1)
+    signal = noise = 0.0
+    for start in range(0, a.numel(), _CHUNK):
+        x = a[start : start + _CHUNK].to(torch.float64)
+        y = b[start : start + _CHUNK].to(torch.float64)
+        fx, fy = torch.isfinite(x), torch.isfinite(y)
+        if not torch.equal(fx, fy):
+            return -math.inf
+        x, y = torch.where(fx, x, 0.0), torch.where(fy, y, 0.0)
+        signal += float(torch.sum(x * x))
+        noise += float(torch.sum((x - y) ** 2))
+    if noise == 0.0:
+        return math.inf
+    return -math.inf if signal == 0.0 else 10.0 * math.log10(signal / noise)
+
+
+def choose(timings: Sequence[Timing], rank: Mapping[str, int], margin: float | None = None) -> Timing | None:
+    """The winner among usable timings of backends in ``rank`` (name -> declared rank,
+    lower first): the fastest, or among those within ``margin`` (default ``TIE_MARGIN``)
+    of it the best-ranked backend (its first listed config). None if none is usable."""
+    margin = TIE_MARGIN if margin is None else margin
+    usable = [(i, t) for i, t in enumerate(timings) if t.usable and t.backend in rank]
+    if not usable:
+        return None
+    best = min(t.ms for _, t in usable)
+    tied = [(i, t) for i, t in usable if t.ms <= best * (1.0 + margin)]
+    return min(tied, key=lambda it: (rank[it[1].backend], it[0]))[1]
+
+
+def tuning_key(problem: Problem) -> str:
+    """A problem's signature as a string, without the device (it names the file) and
+    without capture (a choice measured outside a graph serves the captured call)."""
+    p = problem
+    return (
+        f"{p.op}|{p.recipe}|G={p.groups}|M<={m_bucket(p.m)}|N={p.n}|K={p.k}|{p.a_format}x{p.b_format}->{p.out_dtype}"
+        f"|{p.placement}|scale={p.scale_rule}|grad={p.grad_format}|host_splits={int(p.host_splits)}"
+        f"|weight_list={int(p.weight_list)}|accumulate={int(p.accumulate)}|contiguous={int(p.contiguous)}"
+        f"|m_align={p.m_align}"
+    )
+
+
+def can_measure(problem: Problem) -> bool:
+    """Whether timing is allowed now: a real device, no graph capture, no compile tracing."""
+    return problem.device.detected and not problem.capturing and not torch.compiler.is_compiling()
+
+
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def versions(reg: Registry) -> dict[str, Any]:
+    """Everything whose change invalidates a timing: torch, Triton, each backend."""
+    return {
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "backends": {e.spec.name: e.spec.version for e in reg.entries()},
+    }
+
+
+class _Clock:
+    """Stamps around one call: CUDA events on the current stream, or ``perf_counter``."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+@dataclasses.dataclass
+class _Contender:
+    """One backend (and config) being measured, with its own scratch output (``_scratch``)."""
+
+    name: str
+    backend: Any
+    config: Config | None
+    scratch: Any = None
+    note: str = ""
+    estimate_ms: float = math.inf
+    times: list[float] = dataclasses.field(default_factory=list)
+    calls: int = 0
+
+    @property
+    def label(self) -> str:
+        return Timing(self.name, self.config, None, 0).label
+
+    def call(self, problem: Problem, inputs: GroupedInputs) -> Any:
+        self.calls += 1
+        fresh = GroupedInputs(inputs.a, inputs.b, inputs.m_splits, self.scratch)
+        if self.config is None:
+            return self.backend.run(problem, fresh)
+        return self.backend.run_config(problem, fresh, self.config)
+
+    def timing(self) -> Timing:
+        if self.note:
+            pruned = self.note.startswith("pruned")
+            return Timing(self.name, self.config, self.estimate_ms if pruned else None, self.calls, self.note)
+        return Timing(self.name, self.config, _median(self.times), len(self.times))
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _scratch(problem: Problem, out: Any) -> Any:
+    """A private output like the caller's: a copy when accumulating (same starting
+    values for every contender), else uninitialized; None when the caller gave none."""
+    if out is None:
+        return None
+    if isinstance(out, list):
+        return [t.clone() if problem.accumulate else torch.empty_like(t) for t in out]
+    return out.clone() if problem.accumulate else torch.empty_like(out)
+
+
+def _as_tensor(result: Any) -> torch.Tensor:
+    if isinstance(result, (list, tuple)):
+        return torch.stack(list(result))
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"run returned {type(result).__name__}, not a tensor")
+    return result
+
+
+def _configs(backend: Any, problem: Problem) -> list[Config]:
+    """A backend's kernel configs for ``problem`` via the optional hook (none without it)."""
+    configs_of = getattr(backend, "configs", None)
+    if not callable(configs_of):
+        return []
+    configs = list(configs_of(problem))
+    if configs and not callable(getattr(backend, "run_config", None)):
+        raise TypeError("has configs() but no run_config(problem, inputs, config)")
+    if len(configs) > MAX_CONFIGS:
+        raise ValueError(f"offers {len(configs)} configs; at most {MAX_CONFIGS}")
+    for config in configs:
+        if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+            raise TypeError(f"config {config!r} is not a dict with string keys")
+        if not all(isinstance(v, (str, int, float, bool)) or v is None for v in config.values()):
+            raise TypeError(f"config {config!r} has values that are not JSON scalars")
+    return configs
+
+
+class Tuner:
+    """Stored and measured choices of one process, and its counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._files: dict[tuple, tuple[Path, dict[str, Any]]] = {}
+        self._tables: dict[Path, dict[str, Tuning]] = {}
+        self._loaded_used: set[tuple[Path, str]] = set()
+        self.tuned = 0
+        self.calls = 0
+        self.cost_ms = 0.0
+
+    # --- stored choices -----------------------------------------------------------
+
+    def _file(self, device: DeviceInfo) -> tuple[Path, dict[str, Any]]:
+        reg = registry()
+        token = (device, reg.epoch, tuning_store.cache_root())
+        found = self._files.get(token)
+        if found is None:
+            header = {"device": device.name, "arch": device.arch, "versions": versions(reg)}
+            found = self._files[token] = (tuning_store.file_for(device.name, device.arch, header["versions"]), header)
+        return found
+
+    def file_for(self, device: DeviceInfo) -> Path:
+        """The JSON file holding this device's choices for the software loaded now."""
+        return self._file(device)[0]
+
+    def _table(self, device: DeviceInfo) -> tuple[Path, dict[str, Any], dict[str, Tuning]]:
+        path, header = self._file(device)
+        with self._lock:
+            table = self._tables.get(path)
+            if table is None:
+                table = self._tables[path] = tuning_store.load(path, header)
+        return path, header, table
+
+    def lookup(self, problem: Problem) -> Tuning | None:
+        """The stored tuning of a problem's signature on its device, if any."""
+        if not problem.device.detected:
+            return None
+        return self._table(problem.device)[2].get(tuning_key(problem))
+
+    # --- ranking ------------------------------------------------------------------
+
+    def apply(self, decision: Decision) -> Decision:
+        """A declared-priority decision re-ranked by stored times (eligible backends only,
+        each keeping the slots eligible backends had), or marked pending measurement."""
+        problem = decision.problem
+        eligible = [c for c in decision.candidates if c.eligible]
+        if not eligible or (len(eligible) < 2 and not self._offers_configs(eligible[0].name)):
+            return decision
+        tuning = self.lookup(problem)
+        if tuning is None or not {c.name for c in eligible} <= tuning.backends():
+            return dataclasses.replace(decision, tune_pending=not problem.capturing and problem.device.detected)
+        rank = {c.name: i for i, c in enumerate(eligible)}
+        chosen = choose(tuning.timings, rank)
+        if chosen is None:
+            return dataclasses.replace(decision, tuning=tuning)
+        if tuning.origin == "loaded":
+            with self._lock:
+                self._loaded_used.add((self._file(problem.device)[0], tuning.key))
+
+        def order(c: Candidate) -> tuple[int, float, int]:
+            if c.name == chosen.backend:
+                return (0, 0.0, rank[c.name])
+            best = tuning.fastest_ms(c.name)
+            return (1, math.inf if best is None else best, rank[c.name])
+
+        tuned = iter(sorted(eligible, key=order))
+        candidates = tuple(next(tuned) if c.eligible else c for c in decision.candidates)
+        return dataclasses.replace(
+            decision, candidates=candidates, selected=chosen.backend, config=chosen.config, tuning=tuning
+        )
+
+    @staticmethod
+    def _offers_configs(name: str) -> bool:
+        return callable(getattr(registry().get(name).backend, "configs", None))
+
+    # --- measuring ----------------------------------------------------------------
+
+    def measure(self, problem: Problem, inputs: GroupedInputs, decision: Decision, plan: Plan | None = None) -> Tuning:
+        """Time every eligible contender of a pending decision on the call's operands,
+        store and persist the outcome. The caller's ``out`` is never written."""
+        plan = plan or PLAN
+        device = getattr(inputs.a, "device", None)
+        on_device = torch.cuda.device(device) if problem.placement == "cuda" else contextlib.nullcontext()
+        with self._lock, torch.no_grad(), on_device:
+            stored = self.lookup(problem)
+            eligible = [c for c in decision.candidates if c.eligible]
+            if stored is not None and {c.name for c in eligible} <= stored.backends():
+                return stored  # another thread measured it meanwhile
+            started = time.perf_counter()
+            contenders, excluded = self._contenders(problem, inputs, eligible)
+            clock = _Clock(problem.placement == "cuda")
+            self._check_agreement(problem, inputs, contenders, clock)
+            self._time(problem, inputs, [c for c in contenders if not c.note], clock, plan)
+            clock.sync()
+            cost_ms = (time.perf_counter() - started) * 1e3
+            timings = tuple(excluded + [c.timing() for c in contenders])
+            order = {c.name: i for i, c in enumerate(eligible)}
+            timings = tuple(sorted(timings, key=lambda t: order[t.backend]))
+            chosen = choose(timings, order)
+            tuning = Tuning(
+                key=tuning_key(problem),
+                problem=str(problem),
+                m=problem.m,
+                choice=chosen.backend if chosen else (decision.selected or ""),
+                config=chosen.config if chosen else None,
+                priority_choice=decision.selected or "",
+                timings=timings,
+                cost_ms=cost_ms,
+                measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            )
+            self.tuned += 1
+            self.calls += sum(c.calls for c in contenders)
+            self.cost_ms += cost_ms
+            path, header, table = self._table(problem.device)
+            table[tuning.key] = tuning
+            tuning_store.save(path, header, {tuning.key: tuning})
+        LOGGER.info("grouped_gemm autotune: %s -> %s (%.1f ms of tuning)", problem, tuning.choice, cost_ms)
+        return tuning
+
+    @staticmethod
+    def _contenders(
+        problem: Problem, inputs: GroupedInputs, eligible: list[Candidate]
+    ) -> tuple[list[_Contender], list[Timing]]:
+        """Every eligible backend, then each of its configs; a broken hook excludes it."""
+        contenders: list[_Contender] = []
+        excluded: list[Timing] = []
+        reg = registry()
+        for candidate in eligible:
+            backend = reg.get(candidate.name).backend
+            try:
+                configs = _configs(backend, problem)
+            except Exception as exc:  # noqa: BLE001 - a broken plugin hook excludes only it
+                excluded.append(Timing(candidate.name, None, None, 0, f"configs(): {type(exc).__name__}: {exc}"))
+                continue
+            contenders += [_Contender(candidate.name, backend, config) for config in [None, *configs]]
+        return contenders, excluded
+
+    @staticmethod
+    def _check_agreement(problem: Problem, inputs: GroupedInputs, contenders: list[_Contender], clock: _Clock) -> None:
+        """Run each contender once (compiling / warming it) and exclude those that raise
+        or disagree with the contender most others agree with (ties: declared rank)."""
+        results: list[tuple[_Contender, torch.Tensor]] = []
+        for c in contenders:
+            try:
+                c.scratch = _scratch(problem, inputs.out)
+                results.append((c, _as_tensor(c.call(problem, inputs))))
+                clock.sync()
+            except Exception as exc:  # noqa: BLE001 - measured failures exclude, never propagate
+                c.note = f"raised {type(exc).__name__}: {exc}"
+        if len(results) < 2:
+            return
+        floor = agreement_floor_db(problem.out_dtype)
+        first = results[0][1]
+        if all(agreement_db(first, r) >= floor for _, r in results[1:]):
+            return
+        n = len(results)
+        db = [[math.inf if i == j else agreement_db(results[i][1], results[j][1]) for j in range(n)] for i in range(n)]
+        anchor = max(range(n), key=lambda i: (sum(v >= floor for v in db[i]), -i))
+        for j in range(n):
+            if db[anchor][j] < floor:
+                results[j][
+                    0
+                ].note = f"disagrees with {results[anchor][0].label}: SQNR {db[anchor][j]:.1f} dB < {floor:.1f} dB"
+
+    @staticmethod
+    def _time(problem: Problem, inputs: GroupedInputs, live: list[_Contender], clock: _Clock, plan: Plan) -> None:
+        """Probe, prune the clearly slower, then time the rest in rotating rounds."""
+        for c in live:
+            try:
+                clock.sync()
+                stamps = []
+                for _ in range(plan.probe_calls):
+                    start = clock.stamp()
+                    c.call(problem, inputs)
+                    stamps.append((start, clock.stamp()))
+                clock.sync()
+                c.estimate_ms = min(clock.ms(s, e) for s, e in stamps)  # one hiccup must not prune
+            except Exception as exc:  # noqa: BLE001
+                c.note = f"raised {type(exc).__name__}: {exc}"
+        live = [c for c in live if not c.note]
+        if not live:
+            return
+        fastest = min(c.estimate_ms for c in live)
+        for c in live:
+            if c.estimate_ms > PRUNE_FACTOR * fastest:
+                c.note = f"pruned: probe {c.estimate_ms / max(fastest, 1e-9):.1f}x the fastest"
+        live = [c for c in live if not c.note]
+        for r in range(plan.rounds):
+            turn = live[r % len(live) :] + live[: r % len(live)]
+            for c in turn:
+                warmup, reps = plan.block(c.estimate_ms, first=r == 0)
+                try:
+                    for _ in range(warmup):
+                        c.call(problem, inputs)
+                    stamps = []
+                    for _ in range(reps):
+                        start = clock.stamp()
+                        c.call(problem, inputs)
+                        stamps.append((start, clock.stamp()))
+                    clock.sync()
+                except Exception as exc:  # noqa: BLE001
+                    c.note = f"raised {type(exc).__name__}: {exc}"
+                    continue
+                c.times += [clock.ms(s, e) for s, e in stamps]
+            live = [c for c in live if not c.note]
+            if not live:
+                return
+
+    # --- statistics ---------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        """Signatures tuned in this process, stored ones used, calls made while
+        measuring, and the wall time measuring took."""
+        with self._lock:
+            return {
+                "tuned": self.tuned,
+                "loaded": len(self._loaded_used),
+                "calls": self.calls,
+                "tuning_ms": round(self.cost_ms, 3),
+            }
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.tuned = 0
+            self.calls = 0
+            self.cost_ms = 0.0
+            self._loaded_used.clear()
+
+
+TUNER = Tuner()

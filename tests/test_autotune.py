@@ -1,0 +1,371 @@
+"""Autotuning: fastest wins, ties go to priority, wrong or raising backends are excluded,
+user orders win, nothing is measured under capture or compile, choices persist."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm import autotune, cli, testing, tuning_store, validation
+from grouped_gemm.dispatch import DISPATCHER
+from grouped_gemm.registry import registry
+from grouped_gemm.tuning_store import AutotuneCacheWarning, Timing, Tuning
+
+HERE = Path(__file__).resolve().parent
+# The fakes live in a script of their own, which a test also runs in fresh processes.
+_spec = importlib.util.spec_from_file_location("autotune_fakes", HERE / "autotune_fakes.py")
+_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fakes)
+TimedBackend = _fakes.TimedBackend
+SPLITS = [16, 0, 37, 11]  # an empty group, unaligned sizes
+
+
+@pytest.fixture
+def only(monkeypatch, tmp_path):
+    """Replace every registered backend by the test's fakes, with a private cache
+    directory, a short timing plan and one torch thread (OpenMP wake-ups after a sleep
+    cost tens of ms on a loaded machine)."""
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(autotune, "PLAN", autotune.Plan(warmup_ms=2, rep_ms=9, min_reps=3, max_reps=30))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reg = registry()
+    saved = [(e.backend, e.plugin) for e in reg.entries()]
+    for backend, _ in saved:
+        reg.unregister(backend.spec.name)
+
+    def add(*backends: TimedBackend) -> None:
+        for backend in backends:
+            reg.register(backend, plugin="test")
+
+    yield add
+    for name in reg.names():
+        reg.unregister(name)
+    for backend, plugin in saved:
+        reg.register(backend, plugin)
+    torch.set_num_threads(threads)
+
+
+def _operands(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(sum(SPLITS), 32, generator=gen), torch.randn(len(SPLITS), 24, 32, generator=gen)
+
+
+def _check_fwd(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    assert testing.rel_error(y, testing.ref_fwd(x, w, SPLITS)) < 1e-5
+
+
+def test_fastest_backend_is_chosen_and_reused(only, gen):
+    slow, fast = TimedBackend("slow", delay=0.006, priority=100), TimedBackend("fast", delay=0.0005)
+    only(slow, fast)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    out = testing.poison(torch.empty(sum(SPLITS), 24))
+    y = gg.grouped_gemm(x, w, SPLITS, out=out)
+    assert y is out
+    _check_fwd(y, x, w)
+    stats = gg.dispatch_stats()
+    assert stats["selected"] == {"fast": 1}
+    assert stats["autotune"]["tuned"] == 1 and stats["autotune"]["calls"] > 2
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.order_source == "autotune" and decision.selected == "fast"
+    assert decision.tuning.priority_choice == "slow" and decision.tuning.choice == "fast"
+    times = {t.backend: t for t in decision.tuning.timings}
+    assert times["fast"].ms < times["slow"].ms
+    table = decision.table()
+    assert "order:   autotune" in table and "declared priority would pick slow" in table
+    runs = fast.runs
+    for _ in range(3):
+        _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert fast.runs == runs + 3  # no more measuring: exactly one run per call
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 1
+
+
+def test_choose_breaks_ties_by_declared_rank():
+    rank = {"a": 0, "b": 1, "c": 2}
+    t = [Timing("a", None, 1.01, 5), Timing("b", None, 1.0, 5), Timing("c", None, 0.5, 5, "pruned: probe")]
+    assert autotune.choose(t, rank).backend == "a"  # within 2 %: declared rank
+    assert autotune.choose(t, rank, margin=0.0).backend == "b"
+    t[0] = Timing("a", None, 1.03, 5)
+    assert autotune.choose(t, rank).backend == "b"  # beyond the margin: the fastest
+    assert autotune.choose([Timing("a", None, None, 0, "raised")], rank) is None
+    configs = [Timing("a", None, 2.0, 5), Timing("a", {"t": 1}, 1.0, 5), Timing("a", {"t": 2}, 1.0, 5)]
+    assert autotune.choose(configs, {"a": 0}).config == {"t": 1}
+
+
+def test_equal_speeds_go_to_declared_priority(only, gen, monkeypatch):
+    monkeypatch.setattr(autotune, "TIE_MARGIN", 0.5)  # sleep jitter on a loaded CI machine
+    only(TimedBackend("lo", delay=0.002, priority=1), TimedBackend("hi", delay=0.002, priority=2))
+    x, w = _operands(gen)
+    with gg.use_backends(autotune=True):
+        _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+        decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "hi" and decision.tuning.choice == "hi"
+
+
+def test_disagreeing_and_raising_backends_are_excluded(only, gen):
+    wrong = TimedBackend("wrong", priority=100, scale=1.01)  # fastest, but 1 % off: 40 dB
+    broken = TimedBackend("broken", priority=90, fail=True)
+    only(wrong, broken, TimedBackend("ok1", delay=0.001), TimedBackend("ok2", delay=0.001, priority=1))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected in {"ok1", "ok2"}
+    notes = {t.backend: t.note for t in decision.tuning.timings}
+    assert notes["wrong"].startswith("disagrees with ok") and "dB <" in notes["wrong"]
+    assert notes["broken"] == "raised RuntimeError: boom"
+    assert "disagrees with" in decision.table()
+
+
+def test_a_user_order_wins_and_nothing_is_measured(only, gen):
+    only(TimedBackend("slow", delay=0.003), TimedBackend("fast"))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS, backend="slow"), x, w)
+    with gg.use_backends("slow"):
+        _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    gg.configure(backends="slow")
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert gg.explain(x, w, SPLITS).order_source == "configure"
+    assert gg.dispatch_stats()["selected"] == {"slow": 3}
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 0
+    with gg.use_backends(autotune=False):
+        assert gg.explain(x, w, SPLITS).order_source == "configure"
+
+
+def test_scope_turns_autotune_off_inside_a_global_on(only, gen):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    with gg.use_backends(autotune=False):
+        gg.grouped_gemm(x, w, SPLITS)
+        assert gg.explain(x, w, SPLITS).order_source == "priority"
+    assert gg.dispatch_stats()["selected"] == {"slow": 1}
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 0
+
+
+def test_nothing_is_measured_under_capture_or_compile(only, gen, monkeypatch):
+    only(TimedBackend("slow", delay=0.004, priority=5), TimedBackend("fast"))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    problem, _ = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None)
+    capturing = dataclasses.replace(problem, capturing=True)
+    out = DISPATCHER.run(capturing, gg.GroupedInputs(x, w, SPLITS), None)
+    _check_fwd(out, x, w)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert gg.dispatch_stats()["selected"] == {"slow": 2}  # declared priority both times
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 0
+    assert gg.explain(x, w, SPLITS).tune_pending
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)  # the first eager call measures
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 1
+    gg.reset_dispatch_stats()
+    out = DISPATCHER.run(capturing, gg.GroupedInputs(x, w, SPLITS), None)  # the stored choice now
+    _check_fwd(out, x, w)
+    assert gg.dispatch_stats()["selected"] == {"fast": 1}
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 0
+
+
+def test_wgrad_accumulate_tunes_without_touching_the_callers_buffer(only, gen):
+    only(TimedBackend("slow", delay=0.004, priority=5), TimedBackend("fast"))
+    dy, x = torch.randn(sum(SPLITS), 24, generator=gen), torch.randn(sum(SPLITS), 32, generator=gen)
+    init = torch.randn(len(SPLITS), 24, 32, generator=gen)
+    buffer = init.clone()
+    gg.configure(autotune=True)
+    gg.grouped_gemm_wgrad(dy, x, SPLITS, out=buffer, accumulate=True)
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 1
+    expected = testing.ref_wgrad(dy, x, SPLITS) + init.double()
+    assert testing.rel_error(buffer, expected) < 1e-5  # added exactly once
+    assert torch.equal(buffer[1], init[1])  # the empty group is left alone
+
+
+def test_backend_configs_are_tuned_and_used(only, gen):
+    tiled = TimedBackend("tiled", delay=0.004, configs=[{"delay": 0.004, "tile": 1}, {"delay": 0.0005, "tile": 2}])
+    only(tiled)  # the only backend: its configs alone are worth tuning
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "tiled" and decision.config == {"delay": 0.0005, "tile": 2}
+    assert "tiled[delay=0.0005,tile=2]" in decision.table()
+    key = json.dumps(decision.config, sort_keys=True)
+    before, runs = tiled.config_runs[key], tiled.runs
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert tiled.config_runs[key] == before + 1 and tiled.runs == runs
+
+
+def test_a_broken_configs_hook_excludes_only_that_backend(only, gen):
+    bad = TimedBackend("bad", priority=9)
+    bad.configs = lambda problem: [{"obj": object()}]
+    only(bad, TimedBackend("good", delay=0.001))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "good"
+    assert "not JSON scalars" in {t.backend: t.note for t in decision.tuning.timings}["bad"]
+
+
+def test_described_devices_are_never_measured(only, gen):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    with gg.use_device(gg.DeviceInfo.for_arch("cpu")):
+        gg.grouped_gemm(x, w, SPLITS)
+    assert gg.dispatch_stats()["selected"] == {"slow": 1}
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 0
+
+
+def test_autotune_settings_are_validated(monkeypatch):
+    monkeypatch.setenv("GROUPED_GEMM_AUTOTUNE", "on")
+    assert gg.reset_config().autotune is True
+    monkeypatch.setenv("GROUPED_GEMM_AUTOTUNE", "maybe")
+    with pytest.raises(gg.ConfigError, match="GROUPED_GEMM_AUTOTUNE"):
+        gg.reset_config()
+    monkeypatch.delenv("GROUPED_GEMM_AUTOTUNE")
+    with pytest.raises(gg.ConfigError, match="autotune"), gg.use_backends(autotune="yes"):
+        pass
+
+
+def test_agreement_measure():
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    assert autotune.agreement_db(a, a.clone()) == math.inf
+    assert autotune.agreement_db(a, torch.tensor([1.0, 2.0, 3.0])) == -math.inf  # NaN elsewhere
+    assert autotune.agreement_db(a, torch.tensor([1.0, 2.0, 3.0]).reshape(3, 1)) == -math.inf
+    assert autotune.agreement_db(a, torch.tensor([1.1, 2.0, float("nan")])) == pytest.approx(
+        10 * math.log10(5.0 / 0.01)
+    )
+    assert autotune.agreement_floor_db("bfloat16") == pytest.approx(42.16, abs=0.01)
+    assert autotune.agreement_floor_db("float32") == 50.0
+
+
+def test_a_second_process_loads_the_choice_and_does_not_measure(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = _fakes.tune_once()
+    finally:
+        torch.set_num_threads(threads)
+    assert first["autotune"]["tuned"] == 1 and first["autotune"]["loaded"] == 0
+    (stored,) = (tmp_path / "autotune").glob("*.json")
+    assert first["selected"] in stored.read_text()
+    done = subprocess.run(
+        [sys.executable, str(HERE / "autotune_fakes.py")],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert second["autotune"] == {"tuned": 0, "loaded": 1, "calls": 0, "tuning_ms": 0.0}
+    assert second["selected"] == first["selected"]
+
+
+def test_a_corrupt_or_stale_file_is_ignored_with_a_warning(only, gen):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    problem, _ = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None)
+    path = autotune.TUNER.file_for(problem.device)
+    path.parent.mkdir(parents=True)
+    path.write_text("{ not json")
+    with pytest.warns(AutotuneCacheWarning, match="corrupt"):
+        _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 1
+    document = json.loads(path.read_text())  # rewritten whole
+    assert list(document["entries"]) == [autotune.tuning_key(problem)]
+    document["versions"]["torch"] = "0.0"
+    header = {k: v for k, v in document.items() if k != "entries" and k != "schema"}
+    with pytest.warns(AutotuneCacheWarning, match="stale"):
+        assert tuning_store.load(path, {**header, "versions": {"torch": "1.0"}}) == {}
+
+
+def test_concurrent_writers_leave_a_valid_file_with_every_entry(tmp_path):
+    path = tmp_path / "autotune" / "x.json"
+    # tuning_store needs only the standard library: the writers load it without torch.
+    script = (
+        "import importlib.util, sys; from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('tuning_store', {tuning_store.__file__!r})\n"
+        "s = sys.modules['tuning_store'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)\n"
+        "t = s.Tuning('k', 'p', 1, 'a', None, 'a', (s.Timing('a', None, 1.0, 3),), 1.0, 'now')\n"
+        "for i in range(25):\n"
+        "    s.save(Path(sys.argv[1]), {'device': 'd'}, {f'{sys.argv[2]}{i}': t})\n"
+    )
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), tag]) for tag in ("a", "b")]
+    assert all(p.wait(timeout=120) == 0 for p in writers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entries = tuning_store.load(path, {"device": "d"})
+    assert sorted(entries) == sorted(f"{tag}{i}" for tag in "ab" for i in range(25))
+    assert all(isinstance(e, Tuning) and e.origin == "loaded" for e in entries.values())
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_tune_command_pretunes_and_shows(only, capsys):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    argv = ["tune", "--cases", "qwen3_30b_gateup_decode", "--scale", "0.01", "--ops", "fwd,wgrad"]
+    assert cli.main([*argv, "--splits", "skewed", "--recipe", "fp32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("qwen3_30b_gateup_decode")]
+    assert [(r[2], r[4], r[5], r[-1]) for r in rows] == [
+        ("fwd", "fast", "slow", "measured"),
+        ("wgrad", "fast", "slow", "measured"),
+    ]
+    assert "tuned 2 signature(s)" in out
+    assert cli.main(["tune", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "(this machine, loaded now)" in shown and "2 choice(s)" in shown
+    assert "fwd fp32 G=128 M=5 N=32 K=32" in shown
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_tunes_on_the_device_and_captures_with_the_stored_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    splits = gg.skewed_splits(8, 4096)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(4096, 1024, generator=gen, **bf16)
+    w = torch.randn(8, 512, 1024, generator=gen, **bf16) / 32
+    dy = torch.randn(4096, 512, generator=gen, **bf16)
+    gg.configure(autotune=True)
+    y = gg.grouped_gemm(x, w, splits, out=testing.poison(torch.empty(4096, 512, **bf16)))
+    assert testing.sqnr_db(y, testing.ref_fwd(x, w, splits)) >= 40.0
+    decision = gg.explain(x, w, splits)
+    assert decision.order_source == "autotune" and decision.tuning.origin == "measured"
+    usable = [t for t in decision.tuning.timings if t.usable]
+    assert len(usable) >= 2  # torch_grouped_mm and multistream at least
+    chosen = decision.tuning.fastest_ms(decision.selected)
+    assert chosen <= min(t.ms for t in usable) * (1 + autotune.TIE_MARGIN)
+    # wgrad into an fp32 main_grad: tuning leaves it alone, the real run adds exactly once
+    main_grad = torch.randn(8, 512, 1024, generator=gen, device=device)
+    init = main_grad.clone()
+    gg.grouped_gemm_wgrad(dy, x, splits, out=main_grad, accumulate=True)
+    assert testing.rel_error(main_grad, testing.ref_wgrad(dy, x, splits) + init.double()) < 1e-4
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 2
+    # device splits: tuned eagerly, then captured without measuring (a sync would break capture)
+    dev_splits = torch.tensor(splits, device=device)
+    gg.grouped_gemm(x, w, dev_splits)
+    tuned = gg.dispatch_stats()["autotune"]["tuned"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gg.grouped_gemm(x, w, dev_splits)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert testing.sqnr_db(captured, testing.ref_fwd(x, w, splits)) >= 40.0
+    assert gg.dispatch_stats()["autotune"]["tuned"] == tuned
