@@ -8,12 +8,9 @@ upcast kernel, weights decoded to bf16 in registers, MX activations decoded to b
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import launch, operands
+from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
-from grouped_gemm.mx import MXTensor
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class TritonMxfp4Backend(Backend):
@@ -56,23 +53,7 @@ class TritonMxfp4Backend(Backend):
         return reasons
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-        if problem.op == "wgrad":
-            return _run_wgrad(problem, inputs)
-        name = "x" if problem.op == "fwd" else "dy"
-        act = operands.activation(problem, inputs.a, name)
-        n_out = problem.n if problem.op == "fwd" else problem.k
-        device = inputs.b.device
-        out = inputs.out
-        if out is None:
-            out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
-        if problem.m == 0:
-            return out
-        splits = launch.device_splits(inputs.m_splits, device)
-        if problem.device.has("scaled_mma"):
-            return launch.launch_scaled(act, operands.weight(problem, inputs.b), splits, out, problem.groups)
-        if isinstance(act, MXTensor):
-            act = launch.dequantize(act)
-        return launch.launch_upcast(act, operands.upcast_weight(problem, inputs.b), splits, out, problem.groups)
+        return calls.run(problem, inputs)
 
 
 def _lhs_reasons(problem: Problem) -> list[Reason]:
@@ -113,15 +94,3 @@ def _wgrad_reasons(problem: Problem) -> list[Reason]:
             Reason("layout", "wgrad quantizes dy and x itself (per-group token blocks); pass high-precision tensors")
         )
     return reasons
-
-
-def _run_wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-    dy, x = inputs.a, inputs.b
-    out = inputs.out
-    if out is None:
-        out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
-    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, inputs.m_splits)
-    if problem.device.has("scaled_mma"):
-        return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
-    dy_b, x_b = launch.dequantize(dy_q), launch.dequantize(x_q)
-    return launch.launch_wgrad(dy_b, x_b, padded_ends, out, problem.groups, problem.accumulate)

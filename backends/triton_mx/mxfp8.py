@@ -14,12 +14,10 @@ the reference backend.
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import launch, layouts_e4m3, operands
+from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
-from grouped_gemm.mx import MXTensor
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _GRAD_FORMATS = ("e4m3", "e5m2")
 
 
@@ -82,36 +80,4 @@ class TritonMxfp8Backend(Backend):
         return reasons
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-        if problem.op == "wgrad":
-            return _run_wgrad(problem, inputs)
-        act = operands.activation(problem, inputs.a, "x" if problem.op == "fwd" else "dy")
-        w = operands.weight(problem, inputs.b)
-        out = inputs.out
-        if out is None:
-            n_out = problem.n if problem.op == "fwd" else problem.k
-            out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=w.device)
-        if problem.m == 0:
-            return out
-        splits = launch.device_splits(inputs.m_splits, w.device)
-        if problem.device.has("scaled_mma"):
-            return launch.launch_scaled(act, w, splits, out, problem.groups)
-        # A weight passed quantized is reused across calls: cache its layout. One quantized
-        # here lives for this call only.
-        if w is inputs.b:
-            layout = layouts_e4m3.upcast_weight_e4m3(w)
-        else:
-            layout = layouts_e4m3.build_upcast_weight_e4m3(w)
-        a = launch.dequantize(act) if isinstance(act, MXTensor) else act
-        return launch.launch_upcast(a, layout, splits, out, problem.groups)
-
-
-def _run_wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-    dy, x = inputs.a, inputs.b
-    out = inputs.out
-    if out is None:
-        out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
-    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, dy, x, inputs.m_splits)
-    if problem.device.has("scaled_mma"):
-        return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
-    dy_b, x_b = launch.dequantize(dy_q), launch.dequantize(x_q)
-    return launch.launch_wgrad(dy_b, x_b, padded_ends, out, problem.groups, problem.accumulate)
+        return calls.run(problem, inputs)

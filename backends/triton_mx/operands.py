@@ -24,7 +24,7 @@ E2M1 operand and are left to other backends (``triton_mxfp4``'s check says so).
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import layouts
+from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 
 from grouped_gemm.errors import InvalidArgumentError
@@ -81,6 +81,11 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
     new every step) are quantized straight into it by one fused kernel, with nothing read
     back to the host, so this is safe inside a CUDA graph and re-runs on replay; an
     ``MXTensor`` is its owner's fixed copy, and its layout is cached per object."""
+    if get_recipe(problem.recipe).weight_format == "e4m3":
+        # E4M3 has no fused quantize-and-lay-out kernel yet: quantize, then lay out on the device.
+        if isinstance(w, MXTensor):
+            return layouts_e4m3.upcast_weight_e4m3(weight(problem, w))
+        return layouts_e4m3.build_upcast_weight_e4m3(weight(problem, w))
     if isinstance(w, MXTensor):
         return layouts.upcast_weight(weight(problem, w))
     return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule)

@@ -1,0 +1,46 @@
+"""How every Triton MX backend runs a call, whatever its recipe: the path follows the chip
+(``tl.dot_scaled`` where ``Problem.device`` has MX block-scaled MMA, the register-upcast
+kernel otherwise) and the operand formats follow the recipe (``operands``)."""
+
+from __future__ import annotations
+
+import torch
+from grouped_gemm.backends.triton_mx import launch, operands
+
+from grouped_gemm import GroupedInputs, Problem
+from grouped_gemm.mx import MXTensor
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+    """The result of an eligible fwd, dgrad or wgrad call, written into ``inputs.out`` when given."""
+    if problem.op == "wgrad":
+        return _wgrad(problem, inputs)
+    act = operands.activation(problem, inputs.a, "x" if problem.op == "fwd" else "dy")
+    device = inputs.b.device
+    out = inputs.out
+    if out is None:
+        n_out = problem.n if problem.op == "fwd" else problem.k
+        out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
+    if problem.m == 0:
+        return out
+    splits = launch.device_splits(inputs.m_splits, device)
+    if problem.device.has("scaled_mma"):
+        return launch.launch_scaled(act, operands.weight(problem, inputs.b), splits, out, problem.groups)
+    if isinstance(act, MXTensor):
+        act = launch.dequantize(act)
+    return launch.launch_upcast(act, operands.upcast_weight(problem, inputs.b), splits, out, problem.groups)
+
+
+def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+    """dy and x quantized along the tokens per group; ``tl.dot_scaled`` on them, or their exact
+    bf16 decodes through the same wgrad kernel."""
+    out = inputs.out
+    if out is None:
+        shape = (problem.groups, problem.n, problem.k)
+        out = torch.empty(shape, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
+    if not problem.device.has("scaled_mma"):
+        dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
+    return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
