@@ -111,12 +111,6 @@ def test_wgrad_matches_reference(splits, path, gen):
 
 
 @needs_interpreter
-@pytest.mark.xfail(
-    tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9),
-    reason="Triton 3.9's interpreter rejects the wgrad accumulate mask ('mask has unsupported dtype'); "
-    "fixed separately in backends/triton_mx - drop this mark with that fix",
-    strict=True,
-)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_wgrad_accumulates_and_leaves_empty_groups(path, gen):
     splits = [20, 0, 45]
