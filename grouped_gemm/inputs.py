@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,16 +42,32 @@ class GroupedInputs:
     def offsets(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Cumulative group ends ``[m0, m0+m1, ..., M]`` (length G) on ``device``.
 
-        From device splits this is one ``cumsum`` with no host sync; from host splits
-        one small copy. Cached per (device, dtype) for the life of the call.
+        From device splits this is one ``cumsum`` straight into ``dtype`` (no host sync, no
+        separate conversion kernel: a plain integer cumsum would widen to int64). From host
+        splits the ends are summed in Python and sent in one copy, non-blocking from pinned
+        memory when ``device`` is a GPU (torch's caching host allocator keeps the pinned
+        buffer alive until the copy has run). Cached per (device, dtype) for the call.
         """
         key = (device, dtype)
         cached = self._offsets.get(key)
         if cached is not None:
             return cached
-        if isinstance(self.m_splits, torch.Tensor):
-            ends = torch.cumsum(self.m_splits.to(device), 0).to(dtype)
+        splits = self.m_splits
+        if isinstance(splits, torch.Tensor):
+            if splits.device != device:
+                splits = splits.to(device)
+            ends = torch.cumsum(splits, 0, dtype=dtype)
         else:
-            ends = torch.tensor(list(itertools.accumulate(self.m_splits)), dtype=dtype).to(device, non_blocking=True)
+            ends = host_ends(splits, device, dtype)
         self._offsets[key] = ends
         return ends
+
+
+def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Cumulative ends of host ``splits`` on ``device``: one H2D copy, from pinned memory
+    (non-blocking) when ``device`` is a CUDA or ROCm GPU; pinning needs one, so other
+    targets (the CPU) take a plain tensor."""
+    ends = list(itertools.accumulate(splits))
+    if device.type != "cuda":
+        return torch.tensor(ends, dtype=dtype, device=device)
+    return torch.tensor(ends, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
