@@ -23,7 +23,8 @@ class GroupedInputs:
     ``Problem.weight_list`` is set. ``out`` is the caller's buffer or None; a backend
     writes into it when given (and must when ``Problem.accumulate``) and returns the
     result either way. ``m_splits`` is a tuple of ints (immutable: a backend cannot change
-    the caller's list) or a 1-D integer tensor.
+    the caller's list) or a 1-D integer tensor. ``_offsets`` caches ``offsets``; validation
+    seeds it with the ends of a ``gg.offsets`` result, so no call recomputes them.
     """
 
     a: Any
@@ -64,10 +65,14 @@ class GroupedInputs:
 
 
 def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Cumulative ends of host ``splits`` on ``device``: one H2D copy, from pinned memory
-    (non-blocking) when ``device`` is a CUDA or ROCm GPU; pinning needs one, so other
-    targets (the CPU) take a plain tensor."""
-    ends = list(itertools.accumulate(splits))
+    """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy."""
+    return host_to_device(list(itertools.accumulate(splits)), device, dtype)
+
+
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` in one H2D copy, non-blocking from pinned memory
+    when ``device`` is a CUDA or ROCm GPU (pinning needs one, so other targets take a plain
+    tensor). torch's caching host allocator keeps the pinned buffer until the copy ran."""
     if device.type != "cuda":
-        return torch.tensor(ends, dtype=dtype, device=device)
-    return torch.tensor(ends, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
