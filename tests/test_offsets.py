@@ -207,6 +207,15 @@ def test_grouped_linear_and_gmm_take_offsets(gen):
     assert rel_error(gmm.double(), ref_fwd(x, w, splits)) < 1e-5
 
 
+def test_quantize_mx_rows_takes_offsets(gen):
+    t = torch.randn(96, 64, generator=gen)
+    plain = gg.quantize_mx_rows(t, [32, 0, 64], "e4m3")
+    given = gg.quantize_mx_rows(t, gg.offsets([32, 0, 64]), "e4m3")
+    assert torch.equal(given.offsets, plain.offsets) and torch.equal(given.padded_offsets, plain.padded_offsets)
+    assert torch.equal(given.tensor.data.view(torch.uint8), plain.tensor.data.view(torch.uint8))
+    assert torch.equal(given.tensor.scale.view(torch.uint8), plain.tensor.scale.view(torch.uint8))
+
+
 @pytest.mark.gpu
 def test_offsets_reused_on_gpu_without_sync():
     """Device splits: gg.offsets and three GEMMs reusing it run with no host sync."""

@@ -124,7 +124,7 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
 
 def quantize_mx_rows(
     t: torch.Tensor,
-    m_splits: list[int] | torch.Tensor,
+    m_splits: list[int] | torch.Tensor | GroupOffsets,
     fmt: str,
     *,
     align: int = BLOCK_SIZE,
