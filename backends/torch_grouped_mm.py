@@ -79,16 +79,24 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     The rule is torch's stride check (unit last stride, other strides 16-byte multiples
     at least the row length) plus a 16-byte aligned base pointer on the GPU. Row-major
     2-D operands also keep the CUTLASS kernel off its device-side per-group alignment
-    asserts, which only apply to column-major ragged operands.
+    asserts, which only apply to column-major ragged operands. Written out for the 2-D
+    and 3-D operands every call passes (it runs twice per call); other ranks take the
+    general test.
     """
-    item = t.element_size()
-    rows_ok = t.stride(-1) == 1 and all(s % (_STRIDE_BYTES // item) == 0 for s in t.stride()[:-1])
-    rows_ok = rows_ok and t.stride(-2) >= max(1, t.shape[-1])
-    aligned = t.device.type == "cpu" or t.data_ptr() % _STRIDE_BYTES == 0
-    if rows_ok and aligned:
+    strides = t.stride()
+    unit = _STRIDE_BYTES // t.element_size()
+    ndim = len(strides)
+    if ndim == 2 or ndim == 3:
+        row = strides[-2]
+        rows_ok = strides[-1] == 1 and row % unit == 0 and row >= max(1, t.shape[-1])
+        rows_ok = rows_ok and (ndim == 2 or strides[0] % unit == 0)
+    else:
+        rows_ok = strides[-1] == 1 and all(s % unit == 0 for s in strides[:-1])
+        rows_ok = rows_ok and strides[-2] >= max(1, t.shape[-1])
+    if rows_ok and (t.is_cpu or t.data_ptr() % _STRIDE_BYTES == 0):
         return t
     copy = t.contiguous()
-    if copy.data_ptr() % _STRIDE_BYTES and copy.device.type != "cpu":
+    if copy.data_ptr() % _STRIDE_BYTES and not copy.is_cpu:
         copy = t.clone(memory_format=torch.contiguous_format)
     return copy
 

@@ -45,6 +45,7 @@ from grouped_gemm.errors import (
     UnknownBackendError,
     UnknownRecipeError,
 )
+from grouped_gemm.group_offsets import GroupOffsets, offsets
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXRows, MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.nn import GroupedLinear
@@ -72,6 +73,7 @@ __all__ = [
     "DeviceMismatchError",
     "DuplicateBackendError",
     "FallbackWarning",
+    "GroupOffsets",
     "GroupedGemmError",
     "GroupedInputs",
     "GroupedLinear",
@@ -99,6 +101,7 @@ __all__ = [
     "grouped_linear",
     "hookimpl",
     "list_backends",
+    "offsets",
     "ops",
     "plugin_failures",
     "quantize_mx",

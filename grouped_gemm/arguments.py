@@ -23,6 +23,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
+from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.problem import Op, Problem, m_alignment, max_rows_bucket
 from grouped_gemm.recipes import PLAIN_DTYPES, Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import _registry, registry
@@ -143,7 +144,9 @@ def _as_ints(values: Sequence[Any]) -> list[int]:
 
 def splits_type_error(m_splits: Any) -> InvalidTypeError:
     return InvalidTypeError(
-        "m_splits", m_splits, "a list/tuple of ints or a 1-D integer tensor (on the host or on the device)"
+        "m_splits",
+        m_splits,
+        "a list/tuple of ints, a 1-D integer tensor (on the host or on the device) or gg.offsets(m_splits)",
     )
 
 
@@ -166,8 +169,8 @@ def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
 def snapshot_splits(m_splits: Any) -> Any:
     """A copy of ``m_splits`` taken at forward time: backward must use the splits the
     forward used, even if the caller edits their list or tensor in place meanwhile (a
-    device tensor is copied asynchronously, without a sync). Other values pass through
-    to validation, which names them."""
+    device tensor is copied asynchronously, without a sync). A ``gg.offsets`` result is
+    already a private copy and passes through, as do other values (validation names them)."""
     if isinstance(m_splits, torch.Tensor):
         return m_splits.clone()
     if isinstance(m_splits, (list, tuple)):
@@ -192,9 +195,20 @@ def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
 def splits_operand(
     m_splits: Any, groups: int, rows: int, rows_arg: str, device: torch.device
 ) -> tuple[tuple[int, ...] | torch.Tensor, bool]:
-    """(splits, on_host): a tuple of ints, or a device tensor."""
+    """(splits, on_host): a tuple of ints, or a device tensor.
+
+    A ``GroupOffsets`` is taken as its ``splits`` tensor (whose total, when known on the
+    host, is checked against ``rows`` here at no cost)."""
     if isinstance(m_splits, (list, tuple)):
         return _host_splits(m_splits, groups, rows, rows_arg), True
+    if type(m_splits) is GroupOffsets:
+        if m_splits.total is not None and m_splits.total != rows:
+            raise SplitsError(
+                "m_splits",
+                m_splits,
+                f"group sizes summing to {rows_arg}.shape[0]={rows}, but they sum to {m_splits.total}",
+            )
+        m_splits = m_splits.splits
     if not isinstance(m_splits, torch.Tensor):
         raise splits_type_error(m_splits)
     if m_splits.dim() != 1 or m_splits.dtype not in _INT_DTYPES:
@@ -426,7 +440,7 @@ def group_count(m_splits: Any) -> int:
     """G for wgrad, where only ``m_splits`` says how many groups there are."""
     if isinstance(m_splits, torch.Tensor):
         groups = m_splits.numel()
-    elif isinstance(m_splits, (list, tuple)):
+    elif type(m_splits) is GroupOffsets or isinstance(m_splits, (list, tuple)):
         groups = len(m_splits)
     else:
         raise splits_type_error(m_splits)

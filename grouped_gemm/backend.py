@@ -38,6 +38,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
+from grouped_gemm.group_offsets import GroupOffsets
 
 __all__ = ["gmm"]
 
@@ -117,7 +118,10 @@ def check_batch_sizes(
     (``trans_a=True``). With ``read_host=False`` (under ``torch.compile``, where reading a
     tensor breaks the graph) a CPU tensor is returned unread and the op checks it when it
     runs. Sums are taken over Python ints, so int64 overflow cannot fake a valid total.
+    A ``gg.offsets`` result counts as its ``splits`` tensor.
     """
+    if type(batch_sizes) is GroupOffsets:
+        batch_sizes = batch_sizes.splits
     if isinstance(batch_sizes, torch.Tensor):
         if batch_sizes.layout != torch.strided or batch_sizes.dim() != 1 or batch_sizes.dtype not in _INT_DTYPES:
             raise SplitsError("batch_sizes", batch_sizes, _BATCH_SIZES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ class GroupedInputs:
     ``Problem.weight_list`` is set. ``out`` is the caller's buffer or None; a backend
     writes into it when given (and must when ``Problem.accumulate``) and returns the
     result either way. ``m_splits`` is a tuple of ints (immutable: a backend cannot change
-    the caller's list) or a 1-D integer tensor.
+    the caller's list) or a 1-D integer tensor. ``_offsets`` caches ``offsets``; validation
+    seeds it with the ends of a ``gg.offsets`` result, so no call recomputes them.
     """
 
     a: Any
@@ -41,16 +43,36 @@ class GroupedInputs:
     def offsets(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Cumulative group ends ``[m0, m0+m1, ..., M]`` (length G) on ``device``.
 
-        From device splits this is one ``cumsum`` with no host sync; from host splits
-        one small copy. Cached per (device, dtype) for the life of the call.
+        From device splits this is one ``cumsum`` straight into ``dtype`` (no host sync, no
+        separate conversion kernel: a plain integer cumsum would widen to int64). From host
+        splits the ends are summed in Python and sent in one copy, non-blocking from pinned
+        memory when ``device`` is a GPU (torch's caching host allocator keeps the pinned
+        buffer alive until the copy has run). Cached per (device, dtype) for the call.
         """
         key = (device, dtype)
         cached = self._offsets.get(key)
         if cached is not None:
             return cached
-        if isinstance(self.m_splits, torch.Tensor):
-            ends = torch.cumsum(self.m_splits.to(device), 0).to(dtype)
+        splits = self.m_splits
+        if isinstance(splits, torch.Tensor):
+            if splits.device != device:
+                splits = splits.to(device)
+            ends = torch.cumsum(splits, 0, dtype=dtype)
         else:
-            ends = torch.tensor(list(itertools.accumulate(self.m_splits)), dtype=dtype).to(device, non_blocking=True)
+            ends = host_ends(splits, device, dtype)
         self._offsets[key] = ends
         return ends
+
+
+def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy."""
+    return host_to_device(list(itertools.accumulate(splits)), device, dtype)
+
+
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` in one H2D copy, non-blocking from pinned memory
+    when ``device`` is a CUDA or ROCm GPU (pinning needs one, so other targets take a plain
+    tensor). torch's caching host allocator keeps the pinned buffer until the copy ran."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

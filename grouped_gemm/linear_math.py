@@ -14,9 +14,10 @@ import torch
 
 from grouped_gemm import api
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, UnknownRecipeError
+from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
 
-Splits = list[int] | torch.Tensor
+Splits = list[int] | torch.Tensor | GroupOffsets
 Weights = torch.Tensor | list[torch.Tensor]
 
 _PLAIN_BY_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -70,12 +71,17 @@ def op_recipe(recipe: str | Recipe | None, x: torch.Tensor) -> str:
 
 
 def split_args(m_splits: Any) -> tuple[list[int] | None, torch.Tensor | None]:
-    """``m_splits`` as the custom ops take it: (host list, None) or (None, tensor)."""
+    """``m_splits`` as the custom ops take it: (host list, None) or (None, tensor).
+
+    A ``GroupOffsets`` passes its ``splits`` tensor (an op's schema carries tensors, not the
+    object), so under ``torch.compile`` the ends are recomputed by each call."""
+    if type(m_splits) is GroupOffsets:
+        return None, m_splits.splits
     if isinstance(m_splits, torch.Tensor):
         return None, m_splits
     if isinstance(m_splits, (list, tuple)):
         return list(m_splits), None
-    raise InvalidTypeError("m_splits", m_splits, "a list/tuple of ints or a 1-D integer tensor")
+    raise InvalidTypeError("m_splits", m_splits, "a list/tuple of ints, a 1-D integer tensor or gg.offsets(...)")
 
 
 def splits_from_args(splits: Sequence[int] | None, splits_tensor: torch.Tensor | None) -> Splits:
@@ -84,6 +90,8 @@ def splits_from_args(splits: Sequence[int] | None, splits_tensor: torch.Tensor |
 
 def _counts(m_splits: Splits, device: torch.device) -> torch.Tensor:
     """Group sizes as an int64 tensor on ``device`` (no host sync for device splits)."""
+    if type(m_splits) is GroupOffsets:
+        m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor):
         return m_splits.to(device=device, dtype=torch.int64)
     return torch.tensor(m_splits, dtype=torch.int64).to(device, non_blocking=True)

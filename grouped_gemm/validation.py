@@ -28,6 +28,7 @@ from grouped_gemm.arguments import (
     wgrad_out,
 )
 from grouped_gemm.errors import InvalidTypeError, ShapeError
+from grouped_gemm.group_offsets import ends_cache
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.problem import Op, Problem
@@ -111,7 +112,7 @@ def fwd_or_dgrad(
     problem = intern_problem(
         op, resolved, groups, m, n, k, a.dtype, w0.dtype, odt, device, splits, host, is_list, False, contiguous
     )
-    return problem, GroupedInputs(a, w, splits, out)
+    return problem, GroupedInputs(a, w, splits, out, ends_cache(m_splits))
 
 
 def wgrad(
@@ -166,4 +167,4 @@ def wgrad(
         accumulate,
         contiguous,
     )
-    return problem, GroupedInputs(a=dy, b=x, m_splits=splits, out=list(out) if is_list else out)
+    return problem, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits))

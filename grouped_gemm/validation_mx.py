@@ -27,6 +27,7 @@ from grouped_gemm.arguments import (
     weight_operand,
 )
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, ShapeError, SplitsError
+from grouped_gemm.group_offsets import ends_cache
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.problem import Op, Problem
@@ -179,7 +180,7 @@ def mx_fwd_or_dgrad(
         False,
         contiguous,
     )
-    return problem, GroupedInputs(a, w, splits, out)
+    return problem, GroupedInputs(a, w, splits, out, ends_cache(m_splits))
 
 
 def check_row_blocks(splits: list[int] | torch.Tensor, host: bool, operands: tuple[tuple[str, Any], ...]) -> None:

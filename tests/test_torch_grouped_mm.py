@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend, _clear_empty_groups
+from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend, _clear_empty_groups, _row_major
 
 import grouped_gemm as gg
 from grouped_gemm.dispatch import decide
@@ -376,3 +376,30 @@ def test_cuda_graph_capture_with_device_splits(gen):
         assert_accurate(out, ref_fwd(x, w, new))
         assert_accurate(dw, ref_wgrad(dy, x, new))
         assert all(torch.count_nonzero(dw[i]) == 0 for i, rows in enumerate(new) if rows == 0)
+
+
+def _layouts() -> dict[str, tuple[torch.Tensor, bool]]:
+    """Operands and whether torch takes them as they are (torch's stride rule)."""
+    bf = torch.bfloat16
+    base = torch.randn(4, 64, 48).to(bf)
+    return {
+        "contiguous 2-D": (base[0], True),
+        "contiguous 3-D": (base, True),
+        "fp32 contiguous, K=4": (torch.randn(5, 4), True),
+        "rows of a wider buffer, aligned": (torch.randn(6, 64).to(bf)[:, :16], True),
+        "unaligned base on the CPU": (torch.randn(6, 24).to(bf)[:, 8:], True),
+        "column-major": (torch.randn(16, 8).to(bf).t(), False),
+        "transposed 3-D": (base.transpose(1, 2), False),
+        "3-D, odd group stride": (torch.randn(200).to(bf).as_strided((2, 4, 8), (36, 8, 1)), False),
+        "rows overlapping": (torch.randn(64).to(bf).as_strided((4, 16), (8, 1)), False),
+    }
+
+
+@pytest.mark.parametrize("label", list(_layouts()))
+def test_row_major_keeps_what_torch_takes_and_copies_the_rest(label):
+    t, kept = _layouts()[label]
+    result = _row_major(t)
+    assert (result is t) == kept, label
+    assert torch.equal(result, t)
+    if not kept:
+        assert result.is_contiguous()

@@ -19,6 +19,7 @@ import torch
 
 from grouped_gemm.arguments import host_split_ints
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
+from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx, scale_rule_name
@@ -104,7 +105,10 @@ def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.T
 
 
 def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | None, torch.Tensor]:
-    """(host list or None, int64 sizes on ``device``) for validated-enough splits."""
+    """(host list or None, int64 sizes on ``device``) for validated-enough splits
+    (a ``gg.offsets`` result counts as its ``splits`` tensor)."""
+    if type(m_splits) is GroupOffsets:
+        m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
         if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
             raise SplitsError("m_splits", m_splits, "a 1-D integer tensor")
@@ -120,7 +124,7 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
 
 def quantize_mx_rows(
     t: torch.Tensor,
-    m_splits: list[int] | torch.Tensor,
+    m_splits: list[int] | torch.Tensor | GroupOffsets,
     fmt: str,
     *,
     align: int = BLOCK_SIZE,

@@ -1,0 +1,256 @@
+"""Group ends for the kernels (``GroupedInputs.offsets``): values and the work they cost."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import grouped_gemm as gg
+from grouped_gemm import validation
+from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error
+
+SPLIT_CASES = [[5], [0, 0, 7], [3, 0, 9, 0, 1], [0], [16, 16, 16, 16]]
+
+
+class _OpLog(TorchDispatchMode):
+    """Records every aten op run while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _reference(splits: list[int]) -> list[int]:
+    return list(itertools.accumulate(splits))
+
+
+@pytest.mark.parametrize("splits", SPLIT_CASES)
+@pytest.mark.parametrize("form", ["host", "int32", "int64"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_offsets_equal_reference(splits, form, dtype):
+    given = splits if form == "host" else torch.tensor(splits, dtype=getattr(torch, form))
+    ends = gg.GroupedInputs(None, None, given).offsets(torch.device("cpu"), dtype)
+    assert ends.dtype == dtype and ends.device.type == "cpu"
+    assert ends.tolist() == _reference(splits)
+
+
+@pytest.mark.parametrize("split_dtype", [torch.int32, torch.int64])
+def test_device_splits_cost_one_op_and_are_cached(split_dtype):
+    """One cumsum straight into int32 (no widening, no separate conversion), once per call."""
+    inputs = gg.GroupedInputs(None, None, torch.tensor([4, 0, 2**20], dtype=split_dtype))
+    with _OpLog() as log:
+        first = inputs.offsets(torch.device("cpu"))
+        again = inputs.offsets(torch.device("cpu"))
+    assert log.ops == ["cumsum"]
+    assert again is first and first.tolist() == [4, 4, 4 + 2**20]
+
+
+def test_host_splits_build_ends_in_python():
+    """Host splits: the ends are summed on the host and become one tensor (no device op)."""
+    inputs = gg.GroupedInputs(None, None, (7, 0, 3))
+    with _OpLog() as log:
+        ends = inputs.offsets(torch.device("cpu"))
+    assert "cumsum" not in log.ops and ends.tolist() == [7, 7, 10] and ends.dtype == torch.int32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["host", "int32", "int64"])
+def test_offsets_on_gpu_without_sync(form):
+    splits = [3, 0, 9, 0, 1]
+    device = torch.device("cuda")
+    given = splits if form == "host" else torch.tensor(splits, dtype=getattr(torch, form), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ends = gg.GroupedInputs(None, None, given).offsets(device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ends.dtype == torch.int32 and ends.device == device
+    assert ends.cpu().tolist() == _reference(splits)
+
+
+# ---------------------------------------------------------------- gg.offsets
+
+
+@pytest.mark.parametrize("splits", SPLIT_CASES)
+@pytest.mark.parametrize("form", ["list", "tuple", "int32", "int64"])
+def test_group_offsets_hold_a_private_copy(splits, form):
+    given = {"list": list, "tuple": tuple}[form](splits) if form in ("list", "tuple") else None
+    if given is None:
+        given = torch.tensor(splits, dtype=getattr(torch, form))
+    offs = gg.offsets(given)
+    assert offs.splits.tolist() == splits and offs.ends.tolist() == _reference(splits)
+    assert offs.ends.dtype == torch.int32 and len(offs) == len(splits) and offs.device.type == "cpu"
+    assert offs.total == sum(splits)
+    if isinstance(given, torch.Tensor):
+        given.fill_(99)
+    elif isinstance(given, list):
+        given[0] = 99
+    assert offs.splits.tolist() == splits, "editing the caller's splits must not reach the offsets"
+    assert gg.offsets(offs) is offs
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "needle"),
+    [
+        ([3, -1], gg.SplitsError, "m_splits[1]=-1"),
+        ([3, True], gg.SplitsError, "bool"),
+        ([3, 2.0], gg.SplitsError, "float"),
+        ([], gg.SplitsError, "at least one group"),
+        ([2**31, 0], gg.SplitsError, "int32 ends"),
+        (torch.tensor([1.0, 2.0]), gg.SplitsError, "1-D integer tensor"),
+        (torch.tensor([[1, 2]]), gg.SplitsError, "1-D integer tensor"),
+        (torch.tensor([1, 2], device="meta"), gg.SplitsError, "not meta"),
+        ("8,8", gg.SplitsError, "list/tuple"),
+    ],
+)
+def test_offsets_refuse_bad_splits_by_name(bad, error, needle):
+    with pytest.raises(error, match="m_splits") as info:
+        gg.offsets(bad)
+    assert needle in str(info.value)
+
+
+def test_offsets_of_offsets_on_another_device_is_refused():
+    with pytest.raises(gg.DeviceMismatchError, match="device"):
+        gg.offsets(gg.offsets([1, 2]), device="meta")
+
+
+def test_validation_hands_out_the_ends_without_a_kernel():
+    offs = gg.offsets([5, 0, 3])
+    x, w = torch.randn(8, 16), torch.randn(3, 4, 16)
+    for op, a, b in (("fwd", x, w), ("dgrad", torch.randn(8, 4), w)):
+        _, inputs = validation.fwd_or_dgrad(op, a, b, offs, None, None, None)
+        with _OpLog() as log:
+            ends = inputs.offsets(torch.device("cpu"))
+        assert ends is offs.ends and log.ops == []
+        assert inputs.m_splits == (5, 0, 3), "on the CPU the splits are read back as host splits"
+    _, inputs = validation.wgrad(torch.randn(8, 4), x, offs, None, None, None, False)
+    assert inputs.offsets(torch.device("cpu")) is offs.ends
+
+
+@pytest.mark.parametrize(("splits", "rows", "needle"), [([5, 0, 3], 9, "sum to 8"), ([4, 4], 8, "expected 3")])
+def test_offsets_that_do_not_fit_the_call_are_refused(splits, rows, needle):
+    x, w = torch.randn(rows, 16), torch.randn(3, 4, 16)
+    with pytest.raises(gg.SplitsError, match="m_splits") as info:
+        gg.grouped_gemm(x, w, gg.offsets(splits))
+    assert needle in str(info.value)
+    with pytest.raises(gg.SplitsError, match="m_splits"):
+        gg.grouped_gemm_wgrad(torch.randn(rows, 4), x, gg.offsets([*splits, 1]) if rows == 8 else gg.offsets(splits))
+
+
+def _eligible(op: str, a: torch.Tensor, b: torch.Tensor, m_splits: object) -> list[str]:
+    return [c.name for c in gg.explain(a, b, m_splits, op=op).candidates if c.eligible]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cpu_backend_takes_offsets(gen, dtype):
+    """fwd, dgrad and wgrad with gg.offsets equal the float64 reference on every eligible
+    CPU backend, and the same backend's result for the plain list, bit for bit."""
+    splits = [9, 0, 14, 0, 1]
+    m, n, k = sum(splits), 16, 32
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(5, n, k, generator=gen) / k**0.5).to(dtype)
+    dy = torch.randn(m, n, generator=gen).to(dtype)
+    offs = gg.offsets(splits)
+    cases = {
+        "fwd": (x, w, ref_fwd(x, w, splits), (m, n)),
+        "dgrad": (dy, w, ref_dgrad(dy, w, splits), (m, k)),
+        "wgrad": (dy, x, ref_wgrad(dy, x, splits), (5, n, k)),
+    }
+    seen = set()
+    for op, (a, b, ref, shape) in cases.items():
+        names = _eligible(op, a, b, offs)
+        assert names == _eligible(op, a, b, splits) and "reference" in names
+        call = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}[op]
+        for name in names:
+            out = poison(torch.empty(shape, dtype=dtype))
+            got = call(a, b, offs, backend=name, out=out)
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(got, call(a, b, splits, backend=name)), (op, name)
+            assert rel_error(got.double(), ref) < (1e-5 if dtype == torch.float32 else 1e-2), (op, name)
+            seen.add(name)
+    assert {"reference", "torch_grouped_mm"} <= seen
+
+
+def test_grouped_linear_and_gmm_take_offsets(gen):
+    """Forward and backward (dgrad, wgrad, bias) through autograd, and ops.gmm, equal the
+    plain-list calls; the offsets object is reused by all of them."""
+    splits = [3, 0, 6, 7]
+    m, n, k = sum(splits), 16, 32
+    layer = gg.GroupedLinear(4, k, n, bias=True, dtype=torch.float32)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(4, n, generator=gen))
+    x = torch.randn(m, k, generator=gen)
+    offs = gg.offsets(splits)
+    results = []
+    for given in (splits, offs):
+        xg = x.clone().requires_grad_(True)
+        layer.zero_grad()
+        y = layer(xg, given)
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        results.append((y.detach(), xg.grad, grads))
+    (y0, dx0, g0), (y1, dx1, g1) = results
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    w = torch.randn(4, n, k, generator=gen)
+    functional = gg.grouped_linear(x, w, offs)
+    assert torch.equal(functional, gg.grouped_linear(x, w, splits))
+    gmm = gg.ops.gmm(x, w, offs, trans_b=True)
+    assert rel_error(gmm.double(), ref_fwd(x, w, splits)) < 1e-5
+
+
+def test_grouped_linear_compiles_with_offsets(gen):
+    """Under torch.compile the custom ops get the offsets' splits tensor (fullgraph)."""
+    layer = gg.GroupedLinear(3, 32, 16, bias=True, dtype=torch.float32)
+    x = torch.randn(8, 32, generator=gen)
+    compiled = torch.compile(lambda x, s: layer(x, s), fullgraph=True, backend="eager")
+    xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = compiled(xc, gg.offsets([3, 0, 5]))
+    y.square().sum().backward()
+    expected = layer(xe, [3, 0, 5])
+    expected.square().sum().backward()
+    assert torch.equal(y, expected) and torch.equal(xc.grad, xe.grad)
+
+
+def test_quantize_mx_rows_takes_offsets(gen):
+    t = torch.randn(96, 64, generator=gen)
+    plain = gg.quantize_mx_rows(t, [32, 0, 64], "e4m3")
+    given = gg.quantize_mx_rows(t, gg.offsets([32, 0, 64]), "e4m3")
+    assert torch.equal(given.offsets, plain.offsets) and torch.equal(given.padded_offsets, plain.padded_offsets)
+    assert torch.equal(given.tensor.data.view(torch.uint8), plain.tensor.data.view(torch.uint8))
+    assert torch.equal(given.tensor.scale.view(torch.uint8), plain.tensor.scale.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_offsets_reused_on_gpu_without_sync():
+    """Device splits: gg.offsets and three GEMMs reusing it run with no host sync."""
+    device = torch.device("cuda")
+    splits = [8, 0, 24, 32]
+    m, n, k = sum(splits), 64, 128
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    dev = torch.tensor(splits, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        offs = gg.offsets(dev)
+        y = gg.grouped_gemm(x, w, offs)
+        dx = gg.grouped_gemm_dgrad(dy, w, offs)
+        dw = gg.grouped_gemm_wgrad(dy, x, offs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert offs.total is None and offs.ends.device == device
+    assert torch.equal(y, gg.grouped_gemm(x, w, dev))
+    assert torch.equal(dx, gg.grouped_gemm_dgrad(dy, w, dev))
+    assert torch.equal(dw, gg.grouped_gemm_wgrad(dy, x, dev))
+    host = gg.offsets(splits, device=device)
+    assert host.total == m and host.ends.cpu().tolist() == _reference(splits)
