@@ -347,10 +347,12 @@ def test_gpu_bf16_tunes_on_the_device_and_captures_with_the_stored_choice(tmp_pa
     assert testing.sqnr_db(y, testing.ref_fwd(x, w, splits)) >= 40.0
     decision = gg.explain(x, w, splits)
     assert decision.order_source == "autotune" and decision.tuning.origin == "measured"
-    usable = [t for t in decision.tuning.timings if t.usable]
-    assert len(usable) >= 2  # torch_grouped_mm and multistream at least
+    # torch_grouped_mm and multistream are both measured; on the H200 multistream's probe is
+    # over twice the fastest, so it is pruned and keeps only that probe time.
+    timed = [t for t in decision.tuning.timings if t.ms is not None]
+    assert len(timed) >= 2 and any(t.usable for t in timed)
     chosen = decision.tuning.fastest_ms(decision.selected)
-    assert chosen <= min(t.ms for t in usable) * (1 + autotune.TIE_MARGIN)
+    assert chosen <= min(t.ms for t in timed) * (1 + autotune.TIE_MARGIN)
     # wgrad into an fp32 main_grad: tuning leaves it alone, the real run adds exactly once
     main_grad = torch.randn(8, 512, 1024, generator=gen, device=device)
     init = main_grad.clone()
