@@ -56,6 +56,10 @@ class TritonMxfp4Backend(Backend):
         return calls.run(problem, inputs)
 
 
+#: Gradient formats each recipe's wgrad runs with (the kernel pairs them with x's format).
+_WGRAD_GRAD_FORMATS = {"mxfp4": ("e2m1",), "a8w4": ("e4m3", "e5m2")}
+
+
 def _lhs_reasons(problem: Problem) -> list[Reason]:
     """fwd's x / dgrad's dy: quantized per recipe, or already in the recipe's format."""
     name = "x" if problem.op == "fwd" else "dy"
@@ -78,17 +82,21 @@ def _lhs_reasons(problem: Problem) -> list[Reason]:
 
 
 def _wgrad_reasons(problem: Problem) -> list[Reason]:
+    """wgrad multiplies dy (grad_format) by x (the activation format): E2M1 x E2M1 for mxfp4,
+    E4M3 x E4M3 for a8w4. a16w4 keeps both in bf16, a plain GEMM left to the bf16 backends."""
     reasons = []
-    if problem.recipe != "mxfp4":
+    wanted = _WGRAD_GRAD_FORMATS.get(problem.recipe)
+    if wanted is None:
         reasons.append(
             Reason(
-                "recipe",
-                f"wgrad of {problem.recipe} has no e2m1 operand (a8w4: e4m3 dy x e4m3 x; a16w4: bf16 x bf16); "
-                "this backend runs e2m1 products only (wgrad: mxfp4)",
+                "recipe", f"wgrad of {problem.recipe} multiplies bf16 by bf16; this backend runs mxfp4 and a8w4 wgrad"
             )
         )
-    elif problem.grad_format != "e2m1":
-        reasons.append(Reason("recipe", f"wgrad needs e2m1 gradients; grad_format is {problem.grad_format}"))
+    elif problem.grad_format not in wanted:
+        allowed = " or ".join(wanted)
+        reasons.append(
+            Reason("recipe", f"{problem.recipe} wgrad needs {allowed} gradients; grad_format is {problem.grad_format}")
+        )
     if problem.a_format.startswith("mx_") or problem.b_format.startswith("mx_"):
         reasons.append(
             Reason("layout", "wgrad quantizes dy and x itself (per-group token blocks); pass high-precision tensors")
