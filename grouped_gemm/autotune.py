@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from grouped_gemm import tuning_store
+from grouped_gemm.clock import Clock
 from grouped_gemm.config import LOGGER
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import DeviceInfo
@@ -163,27 +164,6 @@ def versions(reg: Registry) -> dict[str, Any]:
         "triton": _triton_version(),
         "backends": {e.spec.name: e.spec.version for e in reg.entries()},
     }
-
-
-class _Clock:
-    """Stamps around one call: CUDA events on the current stream, or ``perf_counter``."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def stamp(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def ms(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
 
 @dataclasses.dataclass
@@ -351,7 +331,7 @@ class Tuner:
                 return stored  # another thread measured it meanwhile
             started = time.perf_counter()
             contenders, excluded = self._contenders(problem, inputs, eligible)
-            clock = _Clock(problem.placement == "cuda")
+            clock = Clock(problem.placement == "cuda")
             self._check_agreement(problem, inputs, contenders, clock)
             self._time(problem, inputs, [c for c in contenders if not c.note], clock, plan)
             clock.sync()
@@ -399,7 +379,7 @@ class Tuner:
         return contenders, excluded
 
     @staticmethod
-    def _check_agreement(problem: Problem, inputs: GroupedInputs, contenders: list[_Contender], clock: _Clock) -> None:
+    def _check_agreement(problem: Problem, inputs: GroupedInputs, contenders: list[_Contender], clock: Clock) -> None:
         """Run each contender once (compiling / warming it) and exclude those that raise
         or disagree with the contender most others agree with (ties: declared rank)."""
         results: list[tuple[_Contender, torch.Tensor]] = []
@@ -426,7 +406,7 @@ class Tuner:
                 ].note = f"disagrees with {results[anchor][0].label}: SQNR {db[anchor][j]:.1f} dB < {floor:.1f} dB"
 
     @staticmethod
-    def _time(problem: Problem, inputs: GroupedInputs, live: list[_Contender], clock: _Clock, plan: Plan) -> None:
+    def _time(problem: Problem, inputs: GroupedInputs, live: list[_Contender], clock: Clock, plan: Plan) -> None:
         """Probe, prune the clearly slower, then time the rest in rotating rounds."""
         for c in live:
             try:

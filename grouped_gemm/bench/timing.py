@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from grouped_gemm.clock import Clock
 from grouped_gemm.errors import GroupedGemmError
 
 #: What a failing contender may raise: the dispatcher wraps backend errors in
@@ -54,27 +54,6 @@ class TimingPlan:
         return warmup, min(max(1, self.max_reps // rounds), max(-(-self.min_reps // rounds), reps))
 
 
-class _Clock:
-    """Start/stop stamps of one call: CUDA events, or the host clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def stamp(self) -> object:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def ms(self, start: object, end: object) -> float:
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
-
-
 @dataclasses.dataclass
 class Timed:
     """One contender's timed calls (ms, in call order) and each round's median, or the
@@ -91,7 +70,7 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
     Contender ``j`` starts its operand sets at ``j * (sets // n)`` so that one contender
     does not read what the previous one left in cache.
     """
-    clock = _Clock(device)
+    clock = Clock(device.type == "cuda")
     n = len(calls)
     out = [Timed() for _ in calls]
     offsets = [j * max(1, sets[j] // n) for j in range(n)]
