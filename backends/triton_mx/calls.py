@@ -13,6 +13,27 @@ from grouped_gemm.mx import MXTensor
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+#: What the shared kernels can run, whichever backend registers them: the paths (sm_90
+#: upcast, dot_scaled on sm_100 / sm_103 / gfx950, Triton's interpreter on the CPU), MX
+#: blocks of 32 along K (fwd) and N (dgrad), one tile-schedule entry per group in registers.
+KERNEL_CAPABILITIES = {
+    "ops": frozenset({"fwd", "dgrad", "wgrad"}),
+    "vendors": frozenset({"cpu", "cuda", "rocm"}),
+    "archs": ("cpu", "sm_90", "sm_100", "sm_103", "gfx950"),
+    "dtypes": frozenset({"bfloat16", "float16", "float32"}),
+    "out_dtypes": frozenset({"bfloat16", "float16", "float32"}),
+    "n_multiple": 32,
+    "k_multiple": 32,
+    "min_k": 32,
+    "max_groups": 1024,
+    "host_splits": False,
+    "accumulate": True,
+    "weight_list": False,
+    "non_contiguous": False,
+    "deterministic": True,
+}
+
+
 def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
     """The result of an eligible fwd, dgrad or wgrad call, written into ``inputs.out`` when given."""
     if problem.op == "wgrad":

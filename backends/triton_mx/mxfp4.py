@@ -20,26 +20,10 @@ class TritonMxfp4Backend(Backend):
         name="triton_mxfp4",
         version=__version__,
         description="persistent Triton MXFP4-weight grouped GEMM: dot_scaled (gfx950, sm_100), register upcast (sm_90)",
-        ops=frozenset({"fwd", "dgrad", "wgrad"}),
         recipes=frozenset({"mxfp4", "a8w4", "a16w4"}),
-        vendors=frozenset({"cpu", "cuda", "rocm"}),
-        # sm_90: upcast path; sm_100 / sm_103 / gfx950: dot_scaled; cpu: Triton's interpreter.
-        archs=("cpu", "sm_90", "sm_100", "sm_103", "gfx950"),
-        dtypes=frozenset({"bfloat16", "float16", "float32"}),
-        out_dtypes=frozenset({"bfloat16", "float16", "float32"}),
         mx_formats=frozenset({"e2m1", "e4m3"}),
-        # MX blocks of 32 run along K (fwd) and along N (dgrad), so both are block multiples.
-        n_multiple=32,
-        k_multiple=32,
-        min_k=32,
-        # The tile schedule keeps one entry per group in registers.
-        max_groups=1024,
-        host_splits=False,
-        accumulate=True,
-        weight_list=False,
-        non_contiguous=False,
-        deterministic=True,
         priority=80,
+        **calls.KERNEL_CAPABILITIES,
     )
 
     def check(self, problem: Problem) -> list[Reason]:
