@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays of the captured step")
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps, shorter weight-prep timing")
     p.add_argument("--no-prep", action="store_true", help="skip the weight-preparation table")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel of one step per recipe")
     p.add_argument(
         "--prep-sweep", action="store_true", help="also time every tile of the fused prep kernel (sm_90 upcast path)"
     )
@@ -161,6 +162,7 @@ def train_steps(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
         for t in live[first:] + live[:first]:
             rounds[t.recipe].append(timed_ms(lambda t=t: t.run(args.steps), args.steps))
     bf16 = statistics.median(rounds["bf16"]) if "bf16" in rounds else None
+    kernels = {t.recipe: kernel_times(t) for t in live} if args.profile else {}
     rows = []
     for t in trainers:
         ms = statistics.median(rounds[t.recipe]) if t.recipe in rounds else None
@@ -174,9 +176,38 @@ def train_steps(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "round_ms": rounds.get(t.recipe, []),
                 "backends": t.backends,
                 "error": t.error,
+                "kernels_ms": kernels.get(t.recipe),
             }
         )
     return rows
+
+
+def kernel_times(trainer: Trainer) -> dict[str, float]:
+    """GPU ms per kernel name over one step (torch profiler), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.run(1)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def kernel_lines(rows: list[dict[str, Any]], top: int = 8) -> list[str]:
+    """``--profile``: the largest kernels of one step per case and recipe."""
+    lines = []
+    for r in rows:
+        if r.get("kernels_ms"):
+            total = sum(r["kernels_ms"].values())
+            lines.append(f"{r['case']} {r['recipe']}: {total:.2f} ms of kernels in one step")
+            for name, ms in list(r["kernels_ms"].items())[:top]:
+                lines.append(f"  {ms:8.3f} ms {100 * ms / total:5.1f} %  {name[:110]}")
+    return lines
 
 
 def bench_ms(fn: Callable[[], Any], quick: bool) -> float:
@@ -321,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     print()
     print(step_table(steps))
+    for line in kernel_lines(steps):
+        print(line)
     if preps:
         print()
         print(prep_table(preps))
