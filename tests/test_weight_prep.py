@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grouped_gemm.backends.triton_mx import layouts
+from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
 
 import grouped_gemm as gg
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
@@ -91,18 +91,29 @@ def _edge_weight(shape: tuple[int, int, int], op: str, dtype: torch.dtype, gen: 
 SHAPES = [(3, 64, 160), (2, 96, 96), (1, 32, 288)]  # K not a multiple of 128; N multiples of 32
 
 
+def _layout_of(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout's definition for the MXTensor's format: the reference above for E2M1,
+    the torch builder of ``layouts_e4m3`` (rows contiguous) for E4M3."""
+    if mx.fmt == "e2m1":
+        return _reference_layout(mx)
+    lay = layouts_e4m3.build_upcast_weight_e4m3(mx)
+    return lay.data.contiguous(), lay.scales
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
-def test_fused_quantize_layout_equals_quantizer_then_layout(shape, op, poisoned_layouts, gen):
+def test_fused_quantize_layout_equals_quantizer_then_layout(fmt, shape, op, poisoned_layouts, gen):
     for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.float16, "even")):
         w = _edge_weight(shape, op, dtype, gen)
-        data, scales = _reference_layout(quantize_mx_weight(w, "e2m1", op=op, scale_rule=rule))
-        lay = layouts.quantize_upcast_weight(w, op, rule)
-        assert (lay.rows, lay.k_red) == ((shape[1], shape[2]) if op == "fwd" else (shape[2], shape[1]))
+        data, scales = _layout_of(quantize_mx_weight(w, fmt, op=op, scale_rule=rule))
+        lay = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt)
+        rows, k_red = (shape[1], shape[2]) if op == "fwd" else (shape[2], shape[1])
+        assert (lay.rows, lay.k_red, lay.fmt) == (rows, k_red, fmt)
         assert not lay.small_scales
         assert torch.equal(lay.data, data), (dtype, rule)
         assert torch.equal(lay.scales, scales), (dtype, rule)
-    small_tile = layouts.quantize_upcast_weight(w, op, rule, tile=(16, 2))  # another tile, same layout
+    small_tile = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt, tile=(16, 2))  # another tile, same layout
     assert torch.equal(small_tile.data, data) and torch.equal(small_tile.scales, scales)
 
 
@@ -135,8 +146,15 @@ def test_small_scales_only_for_cached_prequantized_weights(gen):
     assert layouts.upcast_weight(quantize_mx_weight(w, "e2m1")).small_scales
 
 
-@pytest.mark.parametrize("recipe", ["mxfp4", "a16w4"])
-def test_fresh_weights_equal_prequantized_weights_end_to_end(recipe, gen):
+@pytest.mark.parametrize(
+    "recipe, backend, fmt, floor_db",
+    [
+        ("mxfp4", "triton_mxfp4", "e2m1", 15),
+        ("a16w4", "triton_mxfp4", "e2m1", 17.5),
+        ("mxfp8", "triton_mxfp8", "e4m3", 25),  # check.RECIPE_VS_UNQUANTIZED_DB
+    ],
+)
+def test_fresh_weights_equal_prequantized_weights_end_to_end(recipe, backend, fmt, floor_db, gen):
     """A call with high-precision weights (fused kernel) gives exactly the call with the
     same weights quantized ahead (MXTensor, cached layout), and matches the reference."""
     splits = [21, 0, 2, 40]
@@ -144,28 +162,32 @@ def test_fresh_weights_equal_prequantized_weights_end_to_end(recipe, gen):
     x = torch.randn(m, k, generator=gen).bfloat16()
     dy = torch.randn(m, n, generator=gen).bfloat16()
     w = torch.randn(len(splits), n, k, generator=gen).bfloat16()
-    with gg.use_backends("triton_mxfp4", strict=True):
+    with gg.use_backends(backend, strict=True):
         fresh = gg.grouped_gemm(x, w, splits, recipe=recipe, out=poison(torch.empty(m, n)))
-        fixed = gg.grouped_gemm(x, quantize_mx_weight(w, "e2m1"), splits, recipe=recipe, out_dtype=torch.float32)
+        fixed = gg.grouped_gemm(x, quantize_mx_weight(w, fmt), splits, recipe=recipe, out_dtype=torch.float32)
         fresh_dx = gg.grouped_gemm_dgrad(dy, w, splits, recipe=recipe, out=poison(torch.empty(m, k)))
-        w_dgrad = quantize_mx_weight(w, "e2m1", op="dgrad")
+        w_dgrad = quantize_mx_weight(w, fmt, op="dgrad")
         fixed_dx = gg.grouped_gemm_dgrad(dy, w_dgrad, splits, recipe=recipe, out_dtype=torch.float32)
     assert torch.equal(fresh, fixed) and torch.equal(fresh_dx, fixed_dx)
     with gg.use_backends("reference", strict=True):
         want = gg.grouped_gemm(x, w, splits, recipe=recipe, out_dtype=torch.float32)
     assert sqnr_db(fresh, want) >= 60
-    assert sqnr_db(fresh, ref_fwd(x.double(), w.double(), splits)) >= (15 if recipe == "mxfp4" else 17.5)
+    assert sqnr_db(fresh, ref_fwd(x.double(), w.double(), splits)) >= floor_db
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
-def test_gpu_fused_layout_equals_triton_quantizer_then_layout(op, gen):
+def test_gpu_fused_layout_equals_triton_quantizer_then_layout(fmt, op, gen):
     """qwen3-30B gate-up size (G=16 of 128 experts), bf16 and fp32, all three rules."""
     for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.bfloat16, "even")):
         w = _edge_weight((16, 1536, 2048), op, dtype, gen).cuda()
-        mx = quantize_mx_weight(w, "e2m1", op=op, scale_rule=rule)
-        want = layouts.build_upcast_weight(mx)
-        lay = layouts.quantize_upcast_weight(w, op, rule)
+        mx = quantize_mx_weight(w, fmt, op=op, scale_rule=rule)
+        if fmt == "e2m1":
+            want = layouts.build_upcast_weight(mx)
+            data, scales = _reference_layout(mx)
+            assert torch.equal(want.data.cpu(), data) and torch.equal(want.scales.cpu(), scales)
+        else:
+            want = layouts_e4m3.build_upcast_weight_e4m3(mx)
+        lay = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt)
         assert torch.equal(lay.data, want.data) and torch.equal(lay.scales, want.scales), (dtype, rule)
-        data, scales = _reference_layout(mx)
-        assert torch.equal(want.data.cpu(), data) and torch.equal(want.scales.cpu(), scales)

@@ -31,7 +31,7 @@ owner keeps fixed), outside CUDA-graph capture; weights quantized per call never
 
 Both ways of building a layout are one Triton launch over all groups
 (``weight_prep_kernel``): ``quantize_upcast_weight`` quantizes a high-precision weight
-straight into the layout (training: fresh weights every step), ``build_upcast_weight``
+straight into the layout, E2M1 or E4M3 (training: fresh weights every step), ``build_upcast_weight``
 rearranges an E2M1 ``MXTensor``. ``upcast_weight`` caches the latter per ``MXTensor``
 object (weakly keyed, invalidated when its tensors are modified in place).
 """
@@ -68,16 +68,19 @@ class UpcastWeight:
     fmt: str = "e2m1"
 
 
-def _empty_layout(groups: int, rows: int, k_red: int, device: torch.device, run_major: bool) -> UpcastWeight:
-    """An unfilled layout (the kernels write every word and scale, padding included)."""
+def _empty_layout(
+    groups: int, rows: int, k_red: int, device: torch.device, run_major: bool, fmt: str = "e2m1"
+) -> UpcastWeight:
+    """An unfilled layout of ``fmt`` (the kernels write every word and scale, padding included)."""
     k_padded = -(-k_red // K_ALIGN) * K_ALIGN
     runs = k_padded // K_ALIGN
+    words = torch.int64 if fmt == "e4m3" else torch.int32
     if run_major:
-        data = torch.empty(groups, runs, rows, 16, dtype=torch.int32, device=device).transpose(1, 2)
+        data = torch.empty(groups, runs, rows, 16, dtype=words, device=device).transpose(1, 2)
     else:
-        data = torch.empty(groups, rows, runs, 16, dtype=torch.int32, device=device)
+        data = torch.empty(groups, rows, runs, 16, dtype=words, device=device)
     scales = torch.empty(groups, runs, rows, dtype=torch.int32, device=device)
-    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded)
+    return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, fmt=fmt)
 
 
 #: Layout rows per program and warps of the layout kernels: a 64 x 128 tile on 4 warps
@@ -131,17 +134,23 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
 
 
 def quantize_upcast_weight(
-    w: torch.Tensor, op: str, scale_rule: str, run_major: bool = True, *, tile: tuple[int, int] | None = None
+    w: torch.Tensor,
+    op: str,
+    scale_rule: str,
+    run_major: bool = True,
+    *,
+    fmt: str = "e2m1",
+    tile: tuple[int, int] | None = None,
 ) -> UpcastWeight:
-    """A (G, N, K) bf16 / fp16 / fp32 weight quantized to E2M1 for ``op`` (fwd: blocks along
-    K; dgrad: along N) and laid out, in one pass; bit-identical to
-    ``build_upcast_weight(quantize_mx_weight(w, "e2m1", op=op, scale_rule=scale_rule))``.
-    The contraction must be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``).
-    ``tile`` (layout rows per program, a power of two; warps) overrides ``DEFAULT_TILE``
-    (benchmarks)."""
+    """A (G, N, K) bf16 / fp16 / fp32 weight quantized to ``fmt`` (E2M1 or E4M3) for ``op``
+    (fwd: blocks along K; dgrad: along N) and laid out, in one pass; bit-identical to
+    building the layout (``build_upcast_weight`` / ``layouts_e4m3.build_upcast_weight_e4m3``)
+    from ``quantize_mx_weight(w, fmt, op=op, scale_rule=scale_rule)``. The contraction must
+    be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``). ``tile`` (layout
+    rows per program, a power of two; warps) overrides ``DEFAULT_TILE`` (benchmarks)."""
     groups, n, k = w.shape
     fwd = op == "fwd"
-    lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major)
+    lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major, fmt)
     if lay.data.numel():
         x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
         rows_per, warps = tile or DEFAULT_TILE
@@ -160,14 +169,9 @@ def quantize_upcast_weight(
             *strides,
             ROWS=rows_per,
             num_warps=warps,
-            **_e2m1_args(x, scale_rule),
+            **triton_quantizer._format_args(x, FORMATS[fmt], scale_rule),  # the quantizer's own constants
         )
     return lay
-
-
-def _e2m1_args(x: torch.Tensor, scale_rule: str) -> dict[str, int]:
-    """The MX quantizer's constants for E2M1 and the rule (its own table, so they match)."""
-    return triton_quantizer._format_args(x, FORMATS["e2m1"], scale_rule)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -81,14 +81,12 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
     new every step) are quantized straight into it by one fused kernel, with nothing read
     back to the host, so this is safe inside a CUDA graph and re-runs on replay; an
     ``MXTensor`` is its owner's fixed copy, and its layout is cached per object."""
-    if get_recipe(problem.recipe).weight_format == "e4m3":
-        # E4M3 has no fused quantize-and-lay-out kernel yet: quantize, then lay out on the device.
-        if isinstance(w, MXTensor):
-            return layouts_e4m3.upcast_weight_e4m3(weight(problem, w))
-        return layouts_e4m3.build_upcast_weight_e4m3(weight(problem, w))
-    if isinstance(w, MXTensor):
-        return layouts.upcast_weight(weight(problem, w))
-    return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule)
+    fmt = get_recipe(problem.recipe).weight_format
+    if not isinstance(w, MXTensor):
+        return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
+    if fmt == "e4m3":
+        return layouts_e4m3.upcast_weight_e4m3(weight(problem, w))
+    return layouts.upcast_weight(weight(problem, w))
 
 
 def wgrad_operands(

@@ -1,11 +1,14 @@
 """Kernels that write the upcast weight layout (``layouts.UpcastWeight``) in one pass.
 
 - ``quantize_upcast_kernel``: a high-precision (bf16 / fp16 / fp32) weight straight to the
-  layout, quantizing each 32-block with the MX quantizer's own jit helpers
+  layout of E2M1 or E4M3 (``layouts_e4m3``: a byte per element, int64 words), quantizing
+  each 32-block with the MX quantizer's own jit helpers
   (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the result is
   bit-identical to ``quantize_mx_weight`` followed by the layout). Training re-quantizes
   the weights every step; this reads the weight once and writes 0.53 bytes per element,
-  with no MXTensor in between and nothing read back to the host.
+  with no MXTensor in between and nothing read back to the host. (E4M3 never needs the
+  prebuilt layout's NaN-block rule: a finite block saturates to ±448, never the NaN code,
+  and a non-finite block gets scale byte 255 and zero codes, as in the quantizer.)
 - ``mx_upcast_kernel``: an E2M1 ``MXTensor`` (packed codes + scale bytes) to the layout,
   for all groups in one launch.
 
@@ -25,13 +28,18 @@ from grouped_gemm.mx.triton_kernels import _block_amax, _encode, _scale_exponent
 
 
 @triton.jit
-def _words(codes, ROWS: tl.constexpr):
-    """(ROWS, 128) E2M1 codes of a run -> (ROWS, 4 [b], 4 [q]) int32 words. The nibbles
-    occupy disjoint bits, so their sum is their bitwise OR (and never overflows)."""
+def _words(codes, ROWS: tl.constexpr, BYTE_CODES: tl.constexpr):
+    """(ROWS, 128) codes of a run -> (ROWS, 4 [b], 4 [q]) words: E2M1 (int32, element
+    ``32b + 8j + 2q + h`` at nibble ``j + 4h``) or, with ``BYTE_CODES``, E4M3 (int64, at byte
+    ``2j + h``: ``layouts_e4m3``). The codes occupy disjoint bits, so their sum is their
+    bitwise OR (and never overflows)."""
     split = tl.reshape(codes, (ROWS, 4, 4, 4, 2))  # row, b, j, q, h
     j = tl.arange(0, 4)[None, None, :, None, None]
     h = tl.arange(0, 2)[None, None, None, None, :]
-    shifted = split << (4 * j + 16 * h)
+    if BYTE_CODES:
+        shifted = split.to(tl.int64) << (16 * j + 8 * h).to(tl.int64)
+    else:
+        shifted = split << (4 * j + 16 * h)
     return tl.sum(tl.sum(shifted, axis=4), axis=2)
 
 
@@ -75,6 +83,8 @@ def quantize_upcast_kernel(
     BF16_BITS: tl.constexpr,
     NATIVE: tl.constexpr,
 ):
+    """One (group, ROWS-row tile, 128-run) of a weight quantized to E2M1 (``NBITS`` 4) or
+    E4M3 (8) straight into the layout of that format."""
     pid = tl.program_id(0)
     run = pid % runs
     row_tile = (pid // runs) % row_tiles
@@ -94,7 +104,7 @@ def quantize_upcast_kernel(
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
     code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     code = tl.where(nonfinite[:, :, None], 0, code)
-    words = _words(tl.reshape(code, (ROWS, 128)), ROWS)
+    words = _words(tl.reshape(code, (ROWS, 128)), ROWS, NBITS == 8)
     scale_bytes = tl.where(nonfinite, 255, exp + 127)
     _store_run(data_ptr, scale_ptr, g, run, row, row_ok, words, scale_bytes, sd_g, sd_row, sd_run, ss_g, ss_run)
 
@@ -136,5 +146,5 @@ def mx_upcast_kernel(
     block = run * 4 + tl.arange(0, 4)
     s_ptrs = mx_scale_ptr + g * sm_g + row[:, None].to(tl.int64) * sm_row + block[None, :].to(tl.int64) * sm_block
     scale_bytes = tl.load(s_ptrs, mask=row_ok[:, None] & (block * 32 < k_red)[None, :], other=0).to(tl.int32)
-    words = _words(codes, ROWS)
+    words = _words(codes, ROWS, False)
     _store_run(data_ptr, scale_ptr, g, run, row, row_ok, words, scale_bytes, sd_g, sd_row, sd_run, ss_g, ss_run)
