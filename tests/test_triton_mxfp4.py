@@ -362,6 +362,31 @@ def test_gpu_matches_reference(op, recipe, splits, path, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp4", "a8w4"])
+@pytest.mark.parametrize("device_splits", [True, False])
+def test_gpu_bf16_wgrad_through_torch_grouped_mm(recipe, device_splits, gen):
+    """A new bf16 wgrad on sm_90 multiplies the bf16 decodes with torch._grouped_mm
+    (``launch.vendor_wgrad``): equal to the reference on the same quantized operands, and
+    zeros for empty groups (device splits leave zero rows past the last padded group)."""
+    sizes = [700, 0, 33, 0, 1291, 5]
+    groups, m, n, k = len(sizes), sum(sizes), 512, 768
+    dy = torch.randn(m, n, generator=gen).cuda().bfloat16()
+    x = torch.randn(m, k, generator=gen).cuda().bfloat16()
+    splits = torch.tensor(sizes, device="cuda") if device_splits else sizes
+    problem = gg.describe_problem(op="wgrad", m=m, n=n, k=k, groups=groups, recipe=recipe, device="sm_90")
+    assert launch.vendor_wgrad_runs(problem)
+    got = _call_bf16_wgrad(dy, x, splits, recipe, NAME)
+    want = _call_bf16_wgrad(dy, x, splits, recipe, "reference")
+    assert got.dtype == torch.bfloat16 and sqnr_db(got, want) >= 40  # two bf16 roundings of one fp32 sum
+    assert torch.equal(got[[1, 3]], torch.zeros_like(got[[1, 3]]))
+
+
+def _call_bf16_wgrad(dy, x, splits, recipe, backend):
+    with gg.use_backends(backend, strict=True):
+        return gg.grouped_gemm_wgrad(dy, x, splits, recipe=recipe)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fold", [True, False])
 def test_gpu_ptx_decode_equals_portable_decode(fold, gen):
     """The sm_90 PTX decode and the portable one give bit-identical GEMM results, with the

@@ -56,12 +56,15 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
 
 def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
     """dy and x quantized along the tokens per group; ``tl.dot_scaled`` on them, or their exact
-    bf16 decodes through the same wgrad kernel."""
+    bf16 decodes through the same wgrad kernel, or (sm_90, a new bf16 result) through
+    ``torch._grouped_mm``."""
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
+    if not problem.device.has("scaled_mma"):
+        dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
+        if inputs.out is None and launch.vendor_wgrad_runs(problem):
+            return launch.vendor_wgrad(dy_q, x_q, padded_ends)
     out = inputs.out
     if out is None:
         shape = (problem.groups, problem.n, problem.k)
         out = torch.empty(shape, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
-    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
-    if not problem.device.has("scaled_mma"):
-        dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
     return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)

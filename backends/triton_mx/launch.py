@@ -224,6 +224,28 @@ def launch_scaled(
     return out
 
 
+def vendor_wgrad_runs(problem: Problem) -> bool:
+    """Whether the decoded wgrad goes to ``torch._grouped_mm``: a new bf16 result on sm_90,
+    compiled (not interpreted). There CUTLASS's K-grouped GEMM ran the bf16 decodes in about
+    half the Triton wgrad kernel's time (H200, dsv3 gate-up: 1.28 vs 2.47 ms, 2026-12-03,
+    docs/performance.md); fp32 results and accumulation stay on the Triton kernel, which
+    accumulates in fp32 into ``out``."""
+    return (
+        problem.out_dtype == "bfloat16"
+        and not problem.accumulate
+        and problem.device.arch.startswith("sm_9")
+        and hasattr(torch, "_grouped_mm")
+        and not interpreted()
+    )
+
+
+def vendor_wgrad(dy: torch.Tensor, x: torch.Tensor, padded_ends: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = dy_g^T @ x_g`` over the padded token layout (groups padded to 32 rows with
+    zero rows, so multiples of 16 as the K-grouped GEMM needs) by ``torch._grouped_mm``;
+    on sm_90 it writes zeros for groups without rows."""
+    return torch._grouped_mm(dy.t(), x, offs=padded_ends)
+
+
 def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTile | None = None) -> torch.Tensor:
     """A 2-D MXTensor blocked along axis 0 or 1 decoded to ``dtype`` in one pass, bit for bit
     ``t.dequantize(dtype)`` (NaN payloads aside). Padding along the block axis is dropped.
