@@ -83,9 +83,11 @@ def _empty_layout(
     return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, fmt=fmt)
 
 
-#: Layout rows per program and warps of the layout kernels: a 64 x 128 tile on 4 warps
-#: (not yet tuned on a GPU: ``benchmarks/train_step.py --prep-sweep`` times the others).
-DEFAULT_TILE = (64, 4)
+#: Layout rows per program and warps of the layout kernels, per op: the fastest of
+#: ``benchmarks/train_step.py --prep-sweep`` (rows 16-128 x warps 2-8) on the H200 for
+#: dsv3, gpt-oss and qwen3-30B gate-up weights (2026-12-03): fwd 32 x 2 (0.91 ms on dsv3,
+#: 64 x 4 took 1.09), dgrad 64 x 2 (1.46 ms on dsv3, 64 x 4 took 3.04).
+DEFAULT_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
 
 
 def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
@@ -106,7 +108,7 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
     rows = mx.shape[1] if fwd else mx.shape[2]
     lay = _empty_layout(groups, rows, mx.shape[mx.axis], mx.device, run_major)
     if lay.data.numel():
-        rows_per, warps = DEFAULT_TILE
+        rows_per, warps = DEFAULT_TILES["fwd" if fwd else "dgrad"]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         codes, scale = mx.data, mx.scale
         # (row, contraction) strides of the packed codes and of the scale bytes.
@@ -147,13 +149,13 @@ def quantize_upcast_weight(
     building the layout (``build_upcast_weight`` / ``layouts_e4m3.build_upcast_weight_e4m3``)
     from ``quantize_mx_weight(w, fmt, op=op, scale_rule=scale_rule)``. The contraction must
     be a multiple of 32 (the backend's ``k_multiple`` / ``n_multiple``). ``tile`` (layout
-    rows per program, a power of two; warps) overrides ``DEFAULT_TILE`` (benchmarks)."""
+    rows per program, a power of two; warps) overrides ``DEFAULT_TILES`` (benchmarks)."""
     groups, n, k = w.shape
     fwd = op == "fwd"
     lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major, fmt)
     if lay.data.numel():
         x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
-        rows_per, warps = tile or DEFAULT_TILE
+        rows_per, warps = tile or DEFAULT_TILES[op]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
         weight_prep_kernel.quantize_upcast_kernel[grid](
