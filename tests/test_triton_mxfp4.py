@@ -508,3 +508,49 @@ def test_gpu_dequantize_bit_identical(fmt, axis, shape, gen):
     want = t.dequantize(torch.bfloat16)
     for tile in (None, launch.DequantTile(br=64, bc=128, warps=4), launch.DequantTile(br=32, bc=512, warps=8)):
         _assert_bit_identical(launch.dequantize(t, tile=tile), want)
+
+
+# ---- quantize and decode in one pass (launch.quantize_decode) ------------------------------
+
+
+def _activation(shape, dtype, gen, device="cpu", tiny=False):
+    """Random normal rows scaled per 32-block by 2^e (e in [-100, 100]; fp16: [-12, 12]), an
+    all-zero block, a block holding NaN, one holding Inf, and -0.0 entries. ``tiny`` adds a
+    block at fp32-subnormal magnitudes (bf16-subnormal results: GPU only, the interpreter
+    rounds those itself)."""
+    rows, cols = shape
+    lo, hi = (-12, 12) if dtype == torch.float16 else (-100, 100)
+    blocks = -(-cols // 32)
+    exps = torch.randint(lo, hi, (rows, blocks, 1), generator=gen).expand(rows, blocks, 32).reshape(rows, -1)[:, :cols]
+    x = (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * torch.exp2(exps.double())).to(dtype)
+    x[0, :32] = 0
+    x[1, 3] = float("nan")
+    x[2, min(40, cols - 1)] = float("inf")
+    x[3, 5::7] = -0.0
+    if tiny:
+        x[4, :32] = torch.randn(32, generator=gen).double().mul(2.0**-140).to(dtype)
+    return x.to(device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(40, 96), (9, 61)], ids=["even", "ragged"])
+def test_quantize_decode_equals_quantize_then_decode(fmt, shape, gen):
+    """Bit for bit the two-pass result (torch quantizer, then the MXTensor decode), for every
+    input dtype and scale rule, with tiles that do not divide the shape."""
+    for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.float16, "even")):
+        x = _activation(shape, dtype, gen)
+        want = quantize_mx(x, fmt, axis=-1, scale_rule=rule, pad=True).dequantize(torch.bfloat16)
+        for tile in (None, launch.DequantTile(br=16, bc=64, warps=2)):
+            _assert_bit_identical(launch.quantize_decode(x, fmt, rule, tile=tile), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_gpu_quantize_decode_equals_quantize_then_decode(fmt, gen):
+    """A dsv3-sized activation slice, bf16 and fp32, every rule, against the Triton quantizer
+    followed by the decode kernel; bf16-subnormal results included."""
+    for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.bfloat16, "even")):
+        x = _activation((4096, 7168), dtype, gen, torch.device("cuda"), tiny=True)
+        want = launch.dequantize(quantize_mx(x, fmt, axis=-1, scale_rule=rule))
+        _assert_bit_identical(launch.quantize_decode(x, fmt, rule), want)

@@ -8,7 +8,6 @@ import torch
 from grouped_gemm.backends.triton_mx import launch, operands
 
 from grouped_gemm import GroupedInputs, Problem
-from grouped_gemm.mx import MXTensor
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -38,19 +37,20 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
     """The result of an eligible fwd, dgrad or wgrad call, written into ``inputs.out`` when given."""
     if problem.op == "wgrad":
         return _wgrad(problem, inputs)
-    act = operands.activation(problem, inputs.a, "x" if problem.op == "fwd" else "dy")
+    name = "x" if problem.op == "fwd" else "dy"
     device = inputs.b.device
     out = inputs.out
     if out is None:
         n_out = problem.n if problem.op == "fwd" else problem.k
         out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
     if problem.m == 0:
+        operands.activation(problem, inputs.a, name)  # an unfit MXTensor is refused all the same
         return out
     splits = launch.device_splits(inputs.m_splits, device)
     if problem.device.has("scaled_mma"):
+        act = operands.activation(problem, inputs.a, name)
         return launch.launch_scaled(act, operands.weight(problem, inputs.b), splits, out, problem.groups)
-    if isinstance(act, MXTensor):
-        act = launch.dequantize(act)
+    act = operands.decoded_activation(problem, inputs.a, name)
     return launch.launch_upcast(act, operands.upcast_weight(problem, inputs.b), splits, out, problem.groups)
 
 

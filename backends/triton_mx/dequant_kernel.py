@@ -1,5 +1,11 @@
 """MX -> bf16 decode of an activation or gradient operand (the Hopper path's first pass).
 
+Two kernels: ``dequant_kernel`` decodes an ``MXTensor``; ``quantize_decode_kernel`` takes a
+high-precision activation, quantizes each 32-block along its last axis with the MX
+quantizer's own jit helpers and writes the decoded values, in one pass: the same bf16
+tensor as quantizing (``gg.quantize_mx``) and then decoding, without writing and reading
+the codes in between.
+
 Hopper's wgmma reads its right operand from shared memory, so an activation upcast inside
 the GEMM would make the trip through shared memory that the weights avoid. Instead the
 Hopper path decodes MX activations once, exactly, to bf16 (E4M3 and E2M1 values times
@@ -30,6 +36,8 @@ import triton
 import triton.language as tl
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 
+from grouped_gemm.mx.triton_kernels import _block_amax, _encode, _scale_exponent, _widen
+
 
 @triton.jit
 def _vectors(start, N: tl.constexpr, V: tl.constexpr):
@@ -45,7 +53,7 @@ def _decode(codes, FMT: tl.constexpr, HW_E4M3: tl.constexpr):
     if FMT == "e5m2":
         return e5m2_to_fp32(codes)
     if HW_E4M3:
-        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return e4m3_to_fp32(codes)
 
 
@@ -105,6 +113,51 @@ def dequant_kernel(
     ok = (r < rows)[:, None, None] & (cv < cols)[None, :, :]
     out = Out + r64 * stride_o + cv[None, :, :]
     tl.store(out, values.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def quantize_decode_kernel(
+    X,
+    stride_x,
+    Out,
+    stride_o,
+    rows,
+    cols,
+    col_tiles,
+    FMT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """The (BR, BC) tile of a 2-D high-precision tensor, quantized per 32-block of its last
+    axis (``BC`` a multiple of 32; columns past ``cols`` read as zeros, as the quantizer
+    pads) and decoded: ``decode(code) * 2^exp`` in fp32, rounded once to ``Out``'s dtype, as
+    ``MXTensor.dequantize`` computes it. A block holding NaN or Inf decodes to NaN (the
+    quantizer gives it scale byte 255)."""
+    row_tile = tl.program_id(0) // col_tiles
+    col_tile = tl.program_id(0) % col_tiles
+    r = row_tile * BR + tl.arange(0, BR)
+    r64 = r.to(tl.int64)[:, None, None]
+    blk = col_tile * (BC // 32) + tl.arange(0, BC // 32)
+    c = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    row_ok = (r < rows)[:, None, None]
+    x = _widen(tl.load(X + r64 * stride_x + c, mask=row_ok & (c < cols), other=0), BF16_BITS)
+    amax = _block_amax(x, 2, -1)
+    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    scale = e8m0_to_fp32(tl.where(amax >= 0x7F800000, 255, exp + 127))
+    values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
+    tl.store(Out + r64 * stride_o + c, values.to(Out.dtype.element_ty), mask=row_ok & (c < cols))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,12 @@ import dataclasses
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mx.dequant_kernel import DEQUANT_TILES, DequantTile, dequant_kernel
+from grouped_gemm.backends.triton_mx.dequant_kernel import (
+    DEQUANT_TILES,
+    DequantTile,
+    dequant_kernel,
+    quantize_decode_kernel,
+)
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -23,7 +28,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm import Problem, Reason
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.mx import MXTensor
+from grouped_gemm.mx import MXTensor, triton_quantizer
+from grouped_gemm.mx.formats import FORMATS
 
 
 def interpreted() -> bool:
@@ -221,6 +227,37 @@ def launch_scaled(
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
+    return out
+
+
+def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTile | None = None) -> torch.Tensor:
+    """A 2-D bf16 / fp16 / fp32 tensor quantized to ``fmt`` along its last axis and decoded
+    to bf16 in one pass: bit for bit ``dequantize(gg.quantize_mx(x, fmt, axis=-1,
+    scale_rule=scale_rule))`` (NaN payloads aside). ``tile`` overrides the default (the
+    decode's axis-1 tile)."""
+    rows, cols = x.shape
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=x.device)
+    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interpreted() else DEQUANT_TILES[1])
+    if tile.bc % 32:
+        raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
+    if rows and cols:
+        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        col_tiles = triton.cdiv(cols, tile.bc)
+        quantize_decode_kernel[(triton.cdiv(rows, tile.br) * col_tiles,)](
+            src,
+            src.stride(0),
+            out,
+            out.stride(0),
+            rows,
+            cols,
+            col_tiles,
+            FMT=fmt,
+            HW_E4M3=ptx_decode(x.device),
+            BR=tile.br,
+            BC=tile.bc,
+            num_warps=tile.warps,
+            **triton_quantizer._format_args(src, FORMATS[fmt], scale_rule),  # the quantizer's own constants
+        )
     return out
 
 

@@ -24,7 +24,7 @@ E2M1 operand and are left to other backends (``triton_mxfp4``'s check says so).
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
+from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 
 from grouped_gemm.errors import InvalidArgumentError
@@ -57,6 +57,18 @@ def activation(problem: Problem, a: torch.Tensor | MXTensor, name: str) -> torch
     if fmt is None:
         return a
     return quantize_mx(a, fmt, axis=-1, scale_rule=problem.scale_rule)
+
+
+def decoded_activation(problem: Problem, a: torch.Tensor | MXTensor, name: str) -> torch.Tensor:
+    """fwd's x or dgrad's dy as the sm_90 upcast kernel takes it: bf16 values on the
+    recipe's MX grid (an MXTensor decoded; a high-precision tensor quantized and decoded
+    in one pass), or the bf16 tensor itself for a16w4."""
+    fmt = lhs_format(problem)
+    if isinstance(a, MXTensor):
+        return launch.dequantize(activation(problem, a, name))
+    if fmt is None:
+        return a
+    return launch.quantize_decode(a, fmt, problem.scale_rule)
 
 
 def weight(problem: Problem, w: torch.Tensor | MXTensor) -> MXTensor:
