@@ -19,6 +19,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import autotune, cli, testing, tuning_store, validation
+from grouped_gemm.bench import tune
 from grouped_gemm.dispatch import DISPATCHER
 from grouped_gemm.registry import registry
 from grouped_gemm.tuning_store import AutotuneCacheWarning, CloseCall, Timing, Tuning
@@ -131,6 +132,7 @@ def test_a_close_call_is_timed_again_interleaved_and_the_faster_wins(only, gen, 
     assert stats["close_calls"] == 1
     assert stats["calls"] == slower.runs + faster.runs - 1  # all but the real call, the extra ones included
     assert "close call: " in decision.table() and f"+{close.calls} calls" in decision.table()
+    assert tune.times_cell(decision.tuning).endswith(f"(close call +{close.calls} calls)")
     _, stored = tuning_store.read_any(autotune.TUNER.file_for(decision.problem.device))
     assert stored[decision.tuning.key].close_call == close and isinstance(close, CloseCall)
 
