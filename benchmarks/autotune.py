@@ -8,25 +8,36 @@ bf16 and in each MX recipe where at least two backends are eligible here, it
    declared priority would have picked, every contender's tuned time and the tuning cost;
 2. times every eligible backend separately through the API (``backend=<name>``, strict),
    on operand sets rotated past the L2 cache, in rounds (``grouped_gemm.bench.timing``);
+   where others are within the tuner's close band of the fastest (``CLOSE_MARGIN``, 10 %),
+   those are timed again alternating in short blocks, as the tuner does (``interleave``,
+   ``paired_ms``, with more calls than it), and that defines their times;
 3. reports ``gap`` = time(tuned choice) / time(best) - 1 (the goal: <= 3 % on every
-   problem) and ``vs priority`` = time(priority choice) / time(tuned choice) - 1.
+   problem) and ``vs priority`` = time(priority choice) / time(tuned choice) - 1, and
+   for each problem whether the tuner or the separate timing needed a close call and
+   whether the tuned choice was measured on it or on the other splits of its signature
+   (the signature leaves out the split sizes, so skewed reuses balanced's choice).
 
 Last, a fresh process calls the first problem again with the same cache directory and
 must measure nothing (``tuned 0, loaded 1``). The run points ``GROUPED_GEMM_CACHE_DIR``
 at a new temporary directory, so any compiled-kernel cache under that variable starts
 cold too and first-call compilation shows in the tuning cost. Separate timings run each
-backend's default ``run``; no built-in backend offers kernel configs yet. ``--quick`` (the H200 run, under 5 minutes)
-lightens the separate timing, limits the MX recipes to ``mxfp4`` on four cases and stops
-starting problems after ``--budget-s``. Writes ``<out>/autotune.json`` (``--out``, else
-``$OUT``, else ``bench-results/``) and prints the table last.
+backend's default ``run``; no built-in backend offers kernel configs yet. ``--quick``
+(the H200 run, under 5 minutes) lightens the separate timing, limits the MX recipes to
+``mxfp4`` on four cases and stops starting problems after ``--budget-s``. On the H200 on
+2026-12-03 it took 78 s for 96 problems; by that run's times, the close calls add about
+1.5 s of tuning (9 signatures) and 8 s of separate interleaved timing (17 problems).
+Writes ``<out>/autotune.json`` (``--out``, else ``$OUT``, else ``bench-results/``) and
+prints the table last.
 
     python benchmarks/autotune.py --quick --out $OUT
     python benchmarks/autotune.py [--cases a,b] [--recipes bf16,mxfp4] [--ops fwd] [--scale 0.01]
+    python benchmarks/autotune.py --scale 0.01 --device cpu --cases dsv3_gateup_ep8 --recipes bf16  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,11 +51,12 @@ from typing import Any
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm import tuning_store
+from grouped_gemm import autotune, tuning_store
 from grouped_gemm.bench.operands import DTYPES, make_operands
 from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_cases
-from grouped_gemm.bench.timing import TimingPlan, median, time_in_rounds
+from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
 from grouped_gemm.bench.tune import format_table, tune_one
+from grouped_gemm.clock import Clock
 from grouped_gemm.device import torch_device
 from grouped_gemm.problem import OPS
 
@@ -56,29 +68,69 @@ GOAL_GAP = 0.03
 _FULL_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=10, max_reps=400, rounds=5)
 _QUICK_PLAN = TimingPlan(warmup_ms=10.0, rep_ms=40.0, min_reps=5, max_reps=200, rounds=2)
 _CPU_PLAN = TimingPlan(warmup_ms=1.0, rep_ms=5.0, min_reps=2, max_reps=10, rounds=1)
+#: Close contenders timed interleaved: several times the tuner's calls (``CLOSE_PLAN``).
+_FULL_CLOSE = autotune.ClosePlan(rep_ms=400.0, min_blocks=16, max_blocks=200)
+_QUICK_CLOSE = autotune.ClosePlan(rep_ms=150.0, min_blocks=12, max_blocks=100)
+_CPU_CLOSE = autotune.ClosePlan(rep_ms=5.0, min_blocks=2, max_blocks=4)
 
 
 def separate_times(
-    op: str, case: Case, kind: str, recipe: str, names: list[str], device: torch.device, plan: TimingPlan, seed: int
-) -> dict[str, dict[str, Any]]:
-    """Median ms of each named backend, or its error, on rotated operand sets."""
+    op: str,
+    case: Case,
+    kind: str,
+    recipe: str,
+    names: list[str],
+    device: torch.device,
+    plans: tuple[TimingPlan, autotune.ClosePlan],
+    seed: int,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """Ms of each named backend, or its error, on rotated operand sets: the median of
+    rounds, and for those within ``CLOSE_MARGIN`` of the fastest their paired times
+    from interleaved blocks (``rounds_ms`` keeps the rounds' median). Also what that
+    close call took, None if there was none."""
+    plan, close_plan = plans
     dtype = DTYPES[gg.get_recipe(recipe).plain_dtype or "bfloat16"]
     splits = case.splits(kind)
     sets = make_operands(op, case, splits, dtype, device, seed + 1)
+    count = len(sets.sets)
 
-    def call(name: str) -> Any:
-        return lambda i: _API[op](sets.sets[i].a, sets.sets[i].b, splits, recipe=recipe, backend=name)
+    def call(name: str, offset: int = 0) -> Any:
+        def run(i: int) -> Any:
+            chosen = sets.sets[(offset + i) % count]
+            return _API[op](chosen.a, chosen.b, splits, recipe=recipe, backend=name)
+
+        return run
 
     with gg.use_backends(strict=True, autotune=False):
-        timed = time_in_rounds([call(n) for n in names], [len(sets.sets)] * len(names), device, plan)
-    return {
-        n: ({"error": f"{type(t.error).__name__}: {t.error}"} if t.error else {"ms": median(t.times_ms)})
-        for n, t in zip(names, timed, strict=True)
-    }
+        timed = time_in_rounds([call(n) for n in names], [count] * len(names), device, plan)
+        measured = {
+            n: ({"error": f"{type(t.error).__name__}: {t.error}"} if t.error else {"ms": median(t.times_ms)})
+            for n, t in zip(names, timed, strict=True)
+        }
+        close = autotune.close_to_fastest({n: v["ms"] for n, v in measured.items() if "ms" in v})
+        if not close:
+            return measured, None
+        record: dict[str, Any] = {"backends": close, "rounds_ms": {n: measured[n]["ms"] for n in close}}
+        calls = [call(n, j * max(1, count // len(close))) for j, n in enumerate(close)]
+        try:
+            blocks, made = autotune.interleave(
+                calls, max(record["rounds_ms"].values()), Clock(device.type == "cuda"), close_plan
+            )
+        except CALL_ERRORS as exc:  # the rounds stand
+            return measured, {**record, "error": f"{type(exc).__name__}: {exc}"}
+    for name, ms in zip(close, autotune.paired_ms(blocks), strict=True):
+        measured[name] = {"ms": ms, "rounds_ms": measured[name]["ms"]}
+    return measured, {**record, "calls": made}
 
 
 def one_problem(
-    op: str, case: Case, kind: str, recipe: str, device: torch.device, plan: TimingPlan, seed: int
+    op: str,
+    case: Case,
+    kind: str,
+    recipe: str,
+    device: torch.device,
+    plans: tuple[TimingPlan, autotune.ClosePlan],
+    seed: int,
 ) -> dict[str, Any] | None:
     """Tune, then time every eligible backend; None when fewer than two are eligible."""
     probe = gg.explain(
@@ -93,9 +145,11 @@ def one_problem(
     eligible = [c.name for c in probe.candidates if c.eligible]
     if len(eligible) < 2:
         return None
+    tuned_before = gg.dispatch_stats()["autotune"]["tuned"]
     decision = tune_one(op, case, kind, recipe, device, seed)
+    measured_here = gg.dispatch_stats()["autotune"]["tuned"] > tuned_before
     tuning = decision.tuning
-    measured = separate_times(op, case, kind, recipe, eligible, device, plan, seed)
+    measured, close = separate_times(op, case, kind, recipe, eligible, device, plans, seed)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # operand sizes vary by 100x between problems
     ok = {n: v["ms"] for n, v in measured.items() if "ms" in v}
@@ -117,7 +171,10 @@ def one_problem(
         "tuned_ms": {t.label: t.ms for t in tuning.timings} if tuning else {},
         "tuned_notes": {t.label: t.note for t in tuning.timings if t.note} if tuning else {},
         "tuning_cost_ms": tuning.cost_ms if tuning else None,
+        "tuned_here": measured_here,
+        "tuned_close_call": dataclasses.asdict(tuning.close_call) if tuning and tuning.close_call else None,
         "separate": measured,
+        "separate_close_call": close,
     }
     if best is not None and choice in ok:
         row["gap"] = ok[choice] / ok[best] - 1.0
@@ -144,8 +201,18 @@ def child(args: argparse.Namespace, device: torch.device) -> int:
     return 0
 
 
+def notes(row: dict[str, Any]) -> str:
+    """Close calls (``close:tune``, ``close:sep``) and a choice measured on other splits."""
+    marks = [
+        f"close:{side}" for side, key in (("tune", "tuned_close_call"), ("sep", "separate_close_call")) if row[key]
+    ]
+    if row["tuning_cost_ms"] is not None and not row["tuned_here"]:
+        marks.append("tuned on other splits")
+    return " ".join(marks)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    out = [("case", "splits", "op", "recipe", "tuned", "priority", "best", "gap %", "vs prio %", "tune ms")]
+    out = [("case", "splits", "op", "recipe", "tuned", "priority", "best", "gap %", "vs prio %", "tune ms", "notes")]
     for r in rows:
         gap = r.get("gap")
         out.append(
@@ -160,6 +227,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 "-" if gap is None else f"{100 * gap:.1f}" + (" !" if gap > GOAL_GAP else ""),
                 "-" if r.get("vs_priority") is None else f"{100 * r['vs_priority']:.1f}",
                 "-" if r["tuning_cost_ms"] is None else f"{r['tuning_cost_ms']:.0f}",
+                notes(r),
             )
         )
     return format_table(out)
@@ -186,7 +254,10 @@ def main() -> int:
     budget = args.budget_s if args.budget_s is not None else (250.0 if args.quick else float("inf"))
     recipes = parse_list(args.recipes, "recipes", tuple(gg.RECIPES)) if args.recipes else None
     recipes = recipes or (["bf16", *QUICK_MX] if args.quick else ["bf16", *MX_RECIPES])
-    plan = _CPU_PLAN if device.type == "cpu" else (_QUICK_PLAN if args.quick else _FULL_PLAN)
+    if device.type == "cpu":
+        plans = (_CPU_PLAN, _CPU_CLOSE)
+    else:
+        plans = (_QUICK_PLAN, _QUICK_CLOSE) if args.quick else (_FULL_PLAN, _FULL_CLOSE)
     cache = tempfile.mkdtemp(prefix="gg-autotune-")
     os.environ[tuning_store.ENV_CACHE_DIR] = cache  # a fresh cache: every problem is measured
     jobs = [
@@ -204,18 +275,22 @@ def main() -> int:
             not_run.append(label)
             continue
         print(f"[{i + 1}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
-        row = one_problem(op, case, kind, recipe, device, plan, args.seed)
+        row = one_problem(op, case, kind, recipe, device, plans, args.seed)
         if row is None:
             skipped.append(label)
         else:
             rows.append(row)
     check = reload_check(rows[0], cache, args) if rows else {}
     gaps = [r["gap"] for r in rows if "gap" in r]
-    costs = [r["tuning_cost_ms"] for r in rows if r["tuning_cost_ms"] is not None]
+    costs = [r["tuning_cost_ms"] for r in rows if r["tuned_here"]]  # once per signature
+    misses = [r for r in rows if r.get("gap", 0.0) > GOAL_GAP]
     summary = {
         "problems": len(rows),
         "within_goal": sum(g <= GOAL_GAP for g in gaps),
         "worst_gap": max(gaps, default=None),
+        "close_calls_tuned": sum(r["tuned_close_call"] is not None for r in rows if r["tuned_here"]),
+        "close_calls_separate": sum(r["separate_close_call"] is not None for r in rows),
+        "misses_tuned_on_other_splits": sum(not r["tuned_here"] for r in misses),
         "differs_from_priority": sum(r["choice"] != r["priority_choice"] for r in rows),
         "tuning_cost_ms": {"median": median(costs), "max": max(costs)} if costs else None,
         "second_process": check,
@@ -241,7 +316,10 @@ def main() -> int:
         print(table(differs))
     print(
         f"\n{summary['within_goal']}/{len(gaps)} within {100 * GOAL_GAP:.0f} % of the best "
-        f"(worst {100 * (summary['worst_gap'] or 0):.1f} %); {summary['differs_from_priority']} differ from priority; "
+        f"(worst {100 * (summary['worst_gap'] or 0):.1f} %; {summary['misses_tuned_on_other_splits']} of the "
+        f"{len(misses)} misses tuned on other splits); {summary['differs_from_priority']} differ from priority; "
+        f"close calls: {summary['close_calls_tuned']} signature(s) in tuning, {summary['close_calls_separate']} "
+        f"problem(s) timed again interleaved separately; "
         f"tuning cost per signature ms {summary['tuning_cost_ms']}; second process {check.get('autotune', check)}; "
         f"{len(skipped)} skipped (< 2 eligible), {len(not_run)} not run (budget); {summary['seconds']:.0f} s"
     )

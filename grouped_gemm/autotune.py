@@ -13,11 +13,14 @@ other. A contender that raises, or disagrees with the majority beyond the output
 dtype's tolerance, is excluded with the reason. The others are probed (a contender
 more than ``PRUNE_FACTOR`` times slower than the fastest probe stops there), then
 timed in rounds, each after a warm-up, taking turns (CUDA events on a GPU, the
-monotonic ``perf_counter`` on the CPU); the median wins. Times within ``TIE_MARGIN``
-of the fastest count as a tie, which declared priority breaks, so equal timings give
-the same choice every time. The choice lands in the decision cache (later calls pay
-nothing) and in a JSON file per device (``tuning_store``), which later processes load
-instead of measuring.
+monotonic ``perf_counter`` on the CPU); the median wins. A few blocks each cannot tell
+apart contenders within a few percent of each other (clocks drift between blocks), so
+when others are within ``CLOSE_MARGIN`` of the fastest, the closest (``CLOSE_MAX`` at
+most) are timed again alternating in short blocks (``interleave``) and their block by
+block ratios decide (``paired_ms``): a close call. Times within ``TIE_MARGIN`` of the fastest count as a
+tie, which declared priority breaks, so equal timings give the same choice every time.
+The choice lands in the decision cache (later calls pay nothing) and in a JSON file
+per device (``tuning_store``), which later processes load instead of measuring.
 
 Nothing is measured under CUDA-graph capture, under ``torch.compile`` tracing, or for a
 described device (``use_device``): a stored choice is used if there is one, else
@@ -33,7 +36,7 @@ import importlib.metadata
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +50,19 @@ from grouped_gemm.device import DeviceInfo
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem, m_bucket
 from grouped_gemm.registry import Registry, registry
-from grouped_gemm.tuning_store import Config, Timing, Tuning
+from grouped_gemm.tuning_store import CloseCall, Config, Timing, Tuning
 
 #: Times within this fraction of the fastest are a tie, broken by declared priority.
 TIE_MARGIN = 0.02
 #: A contender whose probe is this many times the fastest probe is not timed further.
 PRUNE_FACTOR = 2.0
+#: After the rounds, contenders this close to the fastest are timed again, interleaved. On
+#: the H200 (2026-12-03) the rounds' ratio of torch_grouped_mm to multistream differed
+#: from the same pair timed separately by up to 9 points (8.9 % against 0.8 %).
+CLOSE_MARGIN = 0.10
+#: At most this many close contenders (the fastest first) are timed interleaved; others
+#: as close keep their round medians and are pruned.
+CLOSE_MAX = 3
 #: More configs than this from one backend are a plugin bug (tuning cost explodes).
 MAX_CONFIGS = 32
 #: Elements compared per chunk, so agreement checks need no float64 copy of a result.
@@ -86,6 +96,83 @@ class Plan:
 
 
 PLAN = Plan()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClosePlan:
+    """How close contenders are timed side by side: ``blocks`` times, each contender in
+    turn runs one untimed call (it absorbs whatever the previous contender left behind:
+    a launch queue, a cold cache) and then ``block`` timed calls. A block lasts about
+    ``block_ms`` (``min_block`` to ``max_block`` calls) so drift hits neighbours alike;
+    there are enough blocks for about ``rep_ms`` of timed calls per contender
+    (``min_blocks`` to ``max_blocks``, rounded up to even)."""
+
+    rep_ms: float = 40.0
+    block_ms: float = 1.0
+    min_block: int = 2
+    max_block: int = 8
+    min_blocks: int = 8
+    max_blocks: int = 40
+
+    def blocks(self, per_call_ms: float) -> tuple[int, int]:
+        """(blocks, timed calls per block) for contenders of about ``per_call_ms``."""
+        per_call = max(per_call_ms, 1e-4)
+        block = min(self.max_block, max(self.min_block, round(self.block_ms / per_call)))
+        blocks = min(self.max_blocks, max(self.min_blocks, math.ceil(self.rep_ms / (block * per_call))))
+        return blocks + blocks % 2, block
+
+
+CLOSE_PLAN = ClosePlan()
+
+
+def close_to_fastest(times: Mapping[str, float], margin: float | None = None) -> list[str]:
+    """The names within ``margin`` (default ``CLOSE_MARGIN``) of the fastest, fastest
+    first, at most ``CLOSE_MAX``; [] when there is no other."""
+    margin = CLOSE_MARGIN if margin is None else margin
+    ranked = sorted(times, key=times.get)
+    if not ranked:
+        return []
+    close = [name for name in ranked if times[name] <= times[ranked[0]] * (1.0 + margin)][:CLOSE_MAX]
+    return close if len(close) > 1 else []
+
+
+def interleave(
+    calls: Sequence[Callable[[int], object]], per_call_ms: float, clock: Clock, plan: ClosePlan
+) -> tuple[list[list[list[float]]], int]:
+    """Time ``calls`` alternating at fine grain, as ``plan`` says, in the order A B, B A,
+    A B, ... (a linear drift cancels out of each A B, B A); ``calls[j](i)`` runs
+    contender ``j``'s ``i``-th call. Per contender, the ms of its timed calls block by
+    block; and the number of calls made, untimed ones included. Exceptions propagate."""
+    blocks, block = plan.blocks(per_call_ms)
+    stamps: list[list[list[tuple[object, object]]]] = [[] for _ in calls]
+    made = [0] * len(calls)
+    forward = list(range(len(calls)))
+    for b in range(blocks):
+        for j in forward if b % 2 == 0 else forward[::-1]:
+            calls[j](made[j])
+            made[j] += 1
+            pairs = []
+            for _ in range(block):
+                start = clock.stamp()
+                calls[j](made[j])
+                pairs.append((start, clock.stamp()))
+                made[j] += 1
+            stamps[j].append(pairs)
+    clock.sync()
+    return [[[clock.ms(s, e) for s, e in pairs] for pairs in per_block] for per_block in stamps], sum(made)
+
+
+def paired_ms(blocks: Sequence[Sequence[Sequence[float]]]) -> list[float]:
+    """Each contender's time from ``interleave``'s blocks: the first one's median, and
+    for each other the first one's median times the median of its ratios to the first
+    one block by block (medians of neighbouring blocks), which a drift shared by
+    neighbours cancels out of."""
+    first = blocks[0]
+    base = _median([ms for block in first for ms in block])
+    return [base] + [
+        base * _median([_median(mine) / _median(ref) for mine, ref in zip(other, first, strict=True)])
+        for other in blocks[1:]
+    ]
 
 
 def agreement_floor_db(out_dtype: str) -> float:
@@ -177,6 +264,7 @@ class _Contender:
     note: str = ""
     estimate_ms: float = math.inf
     times: list[float] = dataclasses.field(default_factory=list)
+    paired_ms: float | None = None
     calls: int = 0
 
     @property
@@ -194,7 +282,8 @@ class _Contender:
         if self.note:
             pruned = self.note.startswith("pruned")
             return Timing(self.name, self.config, self.estimate_ms if pruned else None, self.calls, self.note)
-        return Timing(self.name, self.config, _median(self.times), len(self.times))
+        ms = _median(self.times) if self.paired_ms is None else self.paired_ms
+        return Timing(self.name, self.config, ms, len(self.times))
 
 
 def _median(values: list[float]) -> float:
@@ -248,6 +337,7 @@ class Tuner:
         self._tables: dict[Path, dict[str, Tuning]] = {}
         self._loaded_used: set[tuple[Path, str]] = set()
         self.tuned = 0
+        self.close_calls = 0
         self.calls = 0
         self.cost_ms = 0.0
 
@@ -318,10 +408,18 @@ class Tuner:
 
     # --- measuring ----------------------------------------------------------------
 
-    def measure(self, problem: Problem, inputs: GroupedInputs, decision: Decision, plan: Plan | None = None) -> Tuning:
+    def measure(
+        self,
+        problem: Problem,
+        inputs: GroupedInputs,
+        decision: Decision,
+        plan: Plan | None = None,
+        close_plan: ClosePlan | None = None,
+    ) -> Tuning:
         """Time every eligible contender of a pending decision on the call's operands,
         store and persist the outcome. The caller's ``out`` is never written."""
         plan = plan or PLAN
+        close_plan = close_plan or CLOSE_PLAN
         device = getattr(inputs.a, "device", None)
         on_device = torch.cuda.device(device) if problem.placement == "cuda" else contextlib.nullcontext()
         with self._lock, torch.no_grad(), on_device:
@@ -333,7 +431,9 @@ class Tuner:
             contenders, excluded = self._contenders(problem, inputs, eligible)
             clock = Clock(problem.placement == "cuda")
             self._check_agreement(problem, inputs, contenders, clock)
-            self._time(problem, inputs, [c for c in contenders if not c.note], clock, plan)
+            live = [c for c in contenders if not c.note]
+            self._time(problem, inputs, live, clock, plan)
+            close_call = self._resolve_close(problem, inputs, [c for c in live if not c.note], clock, close_plan)
             clock.sync()
             cost_ms = (time.perf_counter() - started) * 1e3
             timings = tuple(excluded + [c.timing() for c in contenders])
@@ -350,8 +450,10 @@ class Tuner:
                 timings=timings,
                 cost_ms=cost_ms,
                 measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                close_call=close_call,
             )
             self.tuned += 1
+            self.close_calls += close_call is not None
             self.calls += sum(c.calls for c in contenders)
             self.cost_ms += cost_ms
             path, header, table = self._table(problem.device)
@@ -449,14 +551,56 @@ class Tuner:
             if not live:
                 return
 
+    @staticmethod
+    def _resolve_close(
+        problem: Problem, inputs: GroupedInputs, timed: list[_Contender], clock: Clock, plan: ClosePlan
+    ) -> CloseCall | None:
+        """Time the contenders within ``CLOSE_MARGIN`` of the fastest again, interleaved;
+        their times become ``paired_ms`` of that. As close ones beyond ``CLOSE_MAX`` are
+        pruned. None when no other contender is that close, or one raised (it is
+        excluded, the others keep their rounds)."""
+        medians = {c.label: _median(c.times) for c in timed if c.times}
+        close = close_to_fastest(medians)
+        if not close:
+            return None
+        fastest = medians[close[0]]
+        for c in timed:
+            if c.label not in close and medians.get(c.label, math.inf) <= fastest * (1.0 + CLOSE_MARGIN):
+                c.estimate_ms = medians[c.label]
+                c.note = f"pruned: within {100 * CLOSE_MARGIN:.0f} % but behind {CLOSE_MAX} closer contenders"
+        chosen = [next(c for c in timed if c.label == label) for label in close]
+
+        def runner(c: _Contender) -> Callable[[int], object]:
+            def run(_: int) -> object:
+                try:
+                    return c.call(problem, inputs)
+                except Exception as exc:
+                    c.note = f"raised {type(exc).__name__}: {exc}"
+                    raise
+
+            return run
+
+        before = sum(c.calls for c in chosen)
+        try:
+            blocks, _ = interleave([runner(c) for c in chosen], max(medians[label] for label in close), clock, plan)
+        except Exception:  # noqa: BLE001 - the raising contender is excluded, the others keep their rounds
+            return None
+        for c, per_block, ms in zip(chosen, blocks, paired_ms(blocks), strict=True):
+            c.times = [ms for block in per_block for ms in block]
+            c.paired_ms = ms
+        return CloseCall(
+            tuple(close), tuple(medians[label] for label in close), CLOSE_MARGIN, sum(c.calls for c in chosen) - before
+        )
+
     # --- statistics ---------------------------------------------------------------
 
     def counters(self) -> dict[str, Any]:
-        """Signatures tuned in this process, stored ones used, calls made while
-        measuring, and the wall time measuring took."""
+        """Signatures tuned in this process (and how many were close calls), stored
+        ones used, calls made while measuring, and the wall time measuring took."""
         with self._lock:
             return {
                 "tuned": self.tuned,
+                "close_calls": self.close_calls,
                 "loaded": len(self._loaded_used),
                 "calls": self.calls,
                 "tuning_ms": round(self.cost_ms, 3),
@@ -465,6 +609,7 @@ class Tuner:
     def reset_counters(self) -> None:
         with self._lock:
             self.tuned = 0
+            self.close_calls = 0
             self.calls = 0
             self.cost_ms = 0.0
             self._loaded_used.clear()

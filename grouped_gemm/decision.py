@@ -149,6 +149,8 @@ class Decision:
             ms = f"{x.ms:10.4f} ms" if x.ms is not None else " " * 13
             chosen = "*" if x.backend == self.selected and x.config == self.config else " "
             lines.append(f"  {chosen} {x.label.ljust(width)}  {ms}  {x.calls:4d} calls  {x.note}".rstrip())
+        if t.close_call is not None:
+            lines.append(f"  {t.close_call.describe()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -71,12 +71,38 @@ class Timing:
 
 
 @dataclasses.dataclass(frozen=True)
+class CloseCall:
+    """Contenders the rotating rounds could not tell apart, re-timed side by side.
+
+    ``labels`` (the fastest first) were within ``margin`` of the fastest by their round
+    medians (``rounds_ms``); they were then timed alternating in short blocks, so that
+    drift hits them alike. Their times in ``Tuning.timings`` come from that: the first
+    one's median, the others' its median times their block-by-block ratio to it.
+    ``calls`` is what that took, untimed calls included.
+    """
+
+    labels: tuple[str, ...]
+    rounds_ms: tuple[float, ...]
+    margin: float
+    calls: int
+
+    def describe(self) -> str:
+        """One line for ``explain`` and ``grouped-gemm tune``."""
+        rounds = " / ".join(f"{label} {ms:.4g}" for label, ms in zip(self.labels, self.rounds_ms, strict=True))
+        return (
+            f"close call: {rounds} ms in the rounds (within {100 * self.margin:.0f} %), "
+            f"re-timed interleaved: +{self.calls} calls"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Tuning:
     """The outcome of tuning one problem signature.
 
     ``choice`` / ``config`` won; ``priority_choice`` is what declared priority would
     have picked; ``timings`` lists every contender in declared-priority order;
-    ``cost_ms`` is the wall time the measurement took; ``m`` the row count it ran with.
+    ``cost_ms`` is the wall time the measurement took; ``m`` the row count it ran with;
+    ``close_call`` says which contenders needed interleaved timing to be told apart.
     ``origin`` (``measured`` or ``loaded``) is not persisted.
     """
 
@@ -89,6 +115,7 @@ class Tuning:
     timings: tuple[Timing, ...]
     cost_ms: float
     measured_at: str
+    close_call: CloseCall | None = None
     origin: str = "measured"
 
     def backends(self) -> frozenset[str]:
@@ -129,8 +156,19 @@ class Tuning:
             timings=timings,
             cost_ms=float(data["cost_ms"]),
             measured_at=str(data["measured_at"]),
+            close_call=_close_call(data.get("close_call")),
             origin="loaded",
         )
+
+
+def _close_call(value: Any) -> CloseCall | None:
+    if value is None:
+        return None
+    labels = tuple(str(label) for label in value["labels"])
+    rounds_ms = tuple(float(ms) for ms in value["rounds_ms"])
+    if len(labels) != len(rounds_ms):
+        raise ValueError("a close call needs one rounds time per label")
+    return CloseCall(labels, rounds_ms, float(value["margin"]), int(value["calls"]))
 
 
 def _config(value: Any) -> Config | None:

@@ -1,4 +1,4 @@
-"""Backends of controlled speed and correctness for the autotuning tests.
+"""Backends of controlled speed and correctness, and a virtual clock, for the autotuning tests.
 
 Also a script (``python autotune_fakes.py``) that a test runs in a fresh process: it
 prints ``tune_once()`` as JSON.
@@ -7,6 +7,7 @@ prints ``tune_once()`` as JSON.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -14,8 +15,38 @@ import torch
 import grouped_gemm as gg
 
 
+class FakeClock:
+    """A virtual clock in place of ``grouped_gemm.clock.Clock`` (patch ``autotune.Clock``
+    with it: calling it returns itself). Backends given it advance it by their delay
+    instead of sleeping, so times are exact; with a ``swing`` the machine's speed
+    oscillates as a GPU's clock does under load, a call taking
+    ``delay * (1 + swing * sin(2 pi (now / period_s + phase)))``."""
+
+    def __init__(self, swing: float = 0.0, period_s: float = 1.0, phase: float = 0.0) -> None:
+        self.now = 0.0
+        self.swing = swing
+        self.period_s = period_s
+        self.phase = phase
+
+    def __call__(self, cuda: bool) -> FakeClock:
+        return self
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds * (1.0 + self.swing * math.sin(2.0 * math.pi * (self.now / self.period_s + self.phase)))
+
+    def stamp(self) -> float:
+        return self.now
+
+    def sync(self) -> None:
+        pass
+
+    def ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+
 class TimedBackend(gg.Backend):
-    """fwd / wgrad in fp32 per group, after ``delay`` seconds of sleep (its speed).
+    """fwd / wgrad in fp32 per group, after ``delay`` seconds of sleep (its speed), or of
+    ``clock`` time when given one.
 
     ``scale`` != 1 makes it wrong by that factor; ``fail`` makes it raise.
     ``configs`` (a list of dicts with a ``delay`` each) exposes the tuner's config hook.
@@ -30,6 +61,7 @@ class TimedBackend(gg.Backend):
         scale: float = 1.0,
         fail: bool = False,
         configs: list[dict] | None = None,
+        clock: FakeClock | None = None,
     ) -> None:
         self.spec = gg.BackendSpec(
             name=name,
@@ -41,6 +73,7 @@ class TimedBackend(gg.Backend):
         self.delay = delay
         self.scale = scale
         self.fail = fail
+        self.clock = clock
         self.runs = 0
         self.config_runs: dict[str, int] = {}
         if configs is not None:
@@ -58,7 +91,10 @@ class TimedBackend(gg.Backend):
     def _compute(self, problem: gg.Problem, inputs: gg.GroupedInputs, delay: float) -> torch.Tensor:
         if self.fail:
             raise RuntimeError("boom")
-        time.sleep(delay)
+        if self.clock is None:
+            time.sleep(delay)
+        else:
+            self.clock.advance(delay)
         splits = inputs.splits_list()
         a, b = inputs.a, inputs.b
         if problem.op == "fwd":

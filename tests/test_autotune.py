@@ -1,5 +1,6 @@
-"""Autotuning: fastest wins, ties go to priority, wrong or raising backends are excluded,
-user orders win, nothing is measured under capture or compile, choices persist."""
+"""Autotuning: fastest wins, close calls are timed again interleaved, ties go to priority,
+wrong or raising backends are excluded, user orders win, nothing is measured under capture
+or compile, choices persist."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import autotune, cli, testing, tuning_store, validation
+from grouped_gemm.bench import tune
 from grouped_gemm.dispatch import DISPATCHER
 from grouped_gemm.registry import registry
-from grouped_gemm.tuning_store import AutotuneCacheWarning, Timing, Tuning
+from grouped_gemm.tuning_store import AutotuneCacheWarning, CloseCall, Timing, Tuning
 
 HERE = Path(__file__).resolve().parent
 # The fakes live in a script of their own, which a test also runs in fresh processes.
@@ -28,16 +30,18 @@ _spec = importlib.util.spec_from_file_location("autotune_fakes", HERE / "autotun
 _fakes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_fakes)
 TimedBackend = _fakes.TimedBackend
+FakeClock = _fakes.FakeClock
 SPLITS = [16, 0, 37, 11]  # an empty group, unaligned sizes
 
 
 @pytest.fixture
 def only(monkeypatch, tmp_path):
     """Replace every registered backend by the test's fakes, with a private cache
-    directory, a short timing plan and one torch thread (OpenMP wake-ups after a sleep
+    directory, short timing plans and one torch thread (OpenMP wake-ups after a sleep
     cost tens of ms on a loaded machine)."""
     monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(autotune, "PLAN", autotune.Plan(warmup_ms=2, rep_ms=9, min_reps=3, max_reps=30))
+    monkeypatch.setattr(autotune, "CLOSE_PLAN", autotune.ClosePlan(rep_ms=20, min_blocks=4, max_blocks=10))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     reg = registry()
@@ -101,6 +105,80 @@ def test_choose_breaks_ties_by_declared_rank():
     assert autotune.choose([Timing("a", None, None, 0, "raised")], rank) is None
     configs = [Timing("a", None, 2.0, 5), Timing("a", {"t": 1}, 1.0, 5), Timing("a", {"t": 2}, 1.0, 5)]
     assert autotune.choose(configs, {"a": 0}).config == {"t": 1}
+
+
+def test_a_close_call_is_timed_again_interleaved_and_the_faster_wins(only, gen, monkeypatch):
+    # A clock swinging +-8 % over 30 ms: the rotating rounds see "slower" (4 % slower,
+    # declared first) as the faster one; paired ratios of interleaved blocks do not.
+    clock = FakeClock(swing=0.08, period_s=0.03, phase=0.75)
+    monkeypatch.setattr(autotune, "Clock", clock)
+    slower = TimedBackend("slower", delay=0.00104, priority=10, clock=clock)
+    faster = TimedBackend("faster", delay=0.001, clock=clock)
+    only(slower, faster)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "faster" and decision.tuning.priority_choice == "slower"
+    close = decision.tuning.close_call
+    assert set(close.labels) == {"slower", "faster"} and close.margin == autotune.CLOSE_MARGIN
+    rounds = [Timing(label, None, ms, 1) for label, ms in zip(close.labels, close.rounds_ms, strict=True)]
+    assert autotune.choose(rounds, {"slower": 0, "faster": 1}).backend == "slower"  # the rounds alone: wrong
+    times = {t.backend: t.ms for t in decision.tuning.timings}
+    assert times["slower"] / times["faster"] == pytest.approx(1.04, abs=0.01)
+    # ClosePlan(rep_ms=20) at ~1 ms a call: 10 blocks of 1 untimed + 2 timed calls each
+    assert close.calls == 2 * 10 * 3
+    stats = gg.dispatch_stats()["autotune"]
+    assert stats["close_calls"] == 1
+    assert stats["calls"] == slower.runs + faster.runs - 1  # all but the real call, the extra ones included
+    assert "close call: " in decision.table() and f"+{close.calls} calls" in decision.table()
+    assert tune.times_cell(decision.tuning).endswith(f"(close call +{close.calls} calls)")
+    _, stored = tuning_store.read_any(autotune.TUNER.file_for(decision.problem.device))
+    assert stored[decision.tuning.key].close_call == close and isinstance(close, CloseCall)
+
+
+def test_a_clear_case_takes_no_extra_calls(only, gen, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    slow, fast = (
+        TimedBackend("slow", delay=0.0016, priority=10, clock=clock),
+        TimedBackend("fast", delay=0.0011, clock=clock),
+    )
+    only(slow, fast)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    gg.grouped_gemm(x, w, SPLITS)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "fast" and decision.tuning.close_call is None
+    # per contender: 1 agreement run, 3 probes, then 3 rounds of (warm-up, timed) calls:
+    # fast (2, 2), (1, 2), (1, 2); slow (2, 1), (1, 1), (1, 1)
+    assert (fast.runs - 1, slow.runs) == (14, 11)
+    assert gg.dispatch_stats()["autotune"] == {**gg.dispatch_stats()["autotune"], "close_calls": 0, "calls": 25}
+    assert "close call" not in decision.table()
+
+
+def test_close_contenders_beyond_the_cap_are_pruned(only, gen, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    monkeypatch.setattr(autotune, "CLOSE_MAX", 2)
+    only(*(TimedBackend(f"b{i}", delay=0.001 * (1 + 0.03 * i), clock=clock) for i in range(3)))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    gg.grouped_gemm(x, w, SPLITS)
+    tuning = gg.explain(x, w, SPLITS).tuning
+    assert tuning.choice == "b0" and tuning.close_call.labels == ("b0", "b1")
+    third = {t.backend: t for t in tuning.timings}["b2"]
+    assert third.note == "pruned: within 10 % but behind 2 closer contenders"
+    assert third.ms == pytest.approx(1.06) and not third.usable
+
+
+def test_paired_ms_cancels_a_drift_shared_by_neighbouring_blocks():
+    # the machine slows 2 % per block; B is 5 % slower than A; one call of A hiccups
+    a = [[1.00] * 3, [1.02, 1.02, 1.60], [1.04] * 3, [1.06] * 3]
+    b = [[1.05 * (1.00 + 0.02 * i)] * 3 for i in range(4)]
+    base, other = autotune.paired_ms([a, b])
+    assert base == pytest.approx(1.04)  # A's median over all its calls
+    assert other == pytest.approx(1.04 * 1.05)
 
 
 def test_equal_speeds_go_to_declared_priority(only, gen, monkeypatch):
@@ -271,7 +349,7 @@ def test_a_second_process_loads_the_choice_and_does_not_measure(tmp_path, monkey
     )
     assert done.returncode == 0, done.stderr
     second = json.loads(done.stdout.strip().splitlines()[-1])
-    assert second["autotune"] == {"tuned": 0, "loaded": 1, "calls": 0, "tuning_ms": 0.0}
+    assert second["autotune"] == {"tuned": 0, "close_calls": 0, "loaded": 1, "calls": 0, "tuning_ms": 0.0}
     assert second["selected"] == first["selected"]
 
 

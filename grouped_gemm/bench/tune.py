@@ -3,8 +3,8 @@
 Each selected (case, splits, recipe, op) is called once through the public API inside a
 ``use_backends(autotune=True)`` scope on random operands: a signature already stored for
 this device and software is loaded, any other is measured and persisted. The table
-shows the choice against the declared-priority choice, each contender's median time and
-what tuning cost. ``--show`` prints every stored file instead.
+shows the choice against the declared-priority choice, each contender's time (and
+whether a close call needed interleaved timing) and what tuning cost. ``--show`` prints every stored file instead.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def tune_one(op: Op, case: Case, kind: str, recipe: str, device: torch.device, s
 
 
 def times_cell(tuning: tuning_store.Tuning | None) -> str:
-    """``name ms`` per contender; pruned ones marked ``~``, excluded ones ``x``."""
+    """``name ms`` per contender; pruned ones marked ``~``, excluded ones ``x``; after a
+    close call, ``(close call +N calls)``."""
     if tuning is None:
         return "-"
     cells = []
@@ -74,7 +75,8 @@ def times_cell(tuning: tuning_store.Tuning | None) -> str:
             cells.append(f"{t.label} x")
         else:
             cells.append(f"{t.label} {'~' if t.note else ''}{t.ms:.4g}")
-    return " | ".join(cells)
+    close = f" (close call +{tuning.close_call.calls} calls)" if tuning.close_call else ""
+    return " | ".join(cells) + close
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
@@ -115,8 +117,8 @@ def _tune(args: argparse.Namespace) -> int:
     stats = gg.dispatch_stats()["autotune"]
     print(format_table(rows))
     print(
-        f"tuned {stats['tuned']} signature(s) in {stats['tuning_ms'] / 1e3:.1f} s ({stats['calls']} calls), "
-        f"loaded {stats['loaded']}; stored in {tuning_store.cache_root()}"
+        f"tuned {stats['tuned']} signature(s) in {stats['tuning_ms'] / 1e3:.1f} s ({stats['calls']} calls; "
+        f"{stats['close_calls']} close call(s)), loaded {stats['loaded']}; stored in {tuning_store.cache_root()}"
     )
     return 0
 
