@@ -10,9 +10,6 @@ from grouped_gemm.backends.triton_mx import launch, operands
 from grouped_gemm import GroupedInputs, Problem
 from grouped_gemm.mx import MXTensor
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 #: What the shared kernels can run, whichever backend registers them: the paths (sm_90
 #: upcast, dot_scaled on sm_100 / sm_103 / gfx950, Triton's interpreter on the CPU), MX
 #: blocks of 32 along K (fwd) and N (dgrad), one tile-schedule entry per group in registers.
@@ -40,10 +37,7 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         return _wgrad(problem, inputs)
     act = operands.activation(problem, inputs.a, "x" if problem.op == "fwd" else "dy")
     device = inputs.b.device
-    out = inputs.out
-    if out is None:
-        n_out = problem.n if problem.op == "fwd" else problem.k
-        out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
+    out = inputs.output(problem)
     if problem.m == 0:
         return out
     splits = launch.device_splits(inputs.m_splits, device)
@@ -57,10 +51,7 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
 def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
     """dy and x quantized along the tokens per group; ``tl.dot_scaled`` on them, or their exact
     bf16 decodes through the same wgrad kernel."""
-    out = inputs.out
-    if out is None:
-        shape = (problem.groups, problem.n, problem.k)
-        out = torch.empty(shape, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
+    out = inputs.output(problem)
     dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
     if not problem.device.has("scaled_mma"):
         dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
