@@ -10,8 +10,9 @@ dgrad   dy ``(M, N)``  w  ``(G,N,K)``  ``(M, K)``
 wgrad   dy ``(M, N)``  x  ``(M, K)``   ``(G, N, K)``
 ======  =============  ==============  ===============
 
-Decisions are cached per ``signature``: the problem with M rounded up to a power of two,
-so ragged token counts that change every step reuse one decision. A backend's ``check``
+Decisions are made per ``signature``: the problem with M rounded up to a power of two
+(the dispatch cache buckets M the same way), so ragged token counts that change every step
+reuse one decision. A backend's ``check``
 and ``priority`` must therefore not depend on M beyond its bucket.
 
 ``build_problem`` is the one way a Problem is made, for a real call (``validation``) and a
@@ -51,8 +52,8 @@ class Problem:
     without a decision per distinct maximum); None when the splits live on the device,
     or when no registered backend declaring ``max_padding`` takes G groups (it costs a
     pass over the splits).
-    ``signature`` (computed once) is the decision-cache key: every field, with M
-    bucketed to a power of two.
+    ``signature`` (computed once) names the decision: every field, with M bucketed to a
+    power of two (fallback warnings and autotuning records are per signature).
     """
 
     op: Op
