@@ -30,7 +30,6 @@ DEFAULT_STREAMS = 4
 #: More side streams than this only adds launch overhead (and CUDA has few hardware queues).
 MAX_STREAMS = 32
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: torch's mm/addmm ``out_dtype`` overloads (cuBLAS fp32 output from half inputs; in 2.11, 2.13).
 _HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
@@ -129,13 +128,8 @@ class MultistreamBackend(Backend):
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor | list[torch.Tensor]:
         splits = inputs.splits_list()
-        out = inputs.out
         a = inputs.a
-        if out is None:
-            shape = {"fwd": (problem.m, problem.n), "dgrad": (problem.m, problem.k)}.get(
-                problem.op, (problem.groups, problem.n, problem.k)
-            )
-            out = torch.empty(shape, dtype=_DTYPES[problem.out_dtype], device=a.device)
+        out = inputs.output(problem)
         gemm = _gemm_for(problem, inputs, out)
         jobs: list[tuple[int, int, int]] = []
         start = 0

@@ -28,8 +28,6 @@ from grouped_gemm import Backend, BackendSpec, GroupedInputs, MXTensor, Problem,
 from grouped_gemm.errors import ShapeError
 from grouped_gemm.mx import quantize_mx, quantize_mx_rows
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def _accumulate_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
@@ -60,10 +58,7 @@ class ReferenceBackend(Backend):
         a, w = inputs.a, inputs.b
         if problem.recipe not in _PLAIN:
             a, w = _mx_operands(problem, a, w, _accumulate_dtype(a.device))
-        cols = problem.n if problem.op == "fwd" else problem.k
-        out = inputs.out
-        if out is None:
-            out = torch.empty(problem.m, cols, dtype=_DTYPES[problem.out_dtype], device=a.device)
+        out = inputs.output(problem)
         acc = _accumulate_dtype(a.device)
         start = 0
         for g, rows in enumerate(splits):
@@ -78,9 +73,7 @@ class ReferenceBackend(Backend):
         dy, x = inputs.a, inputs.b
         if problem.recipe not in _PLAIN:
             dy, x = _mx_wgrad_operands(problem, dy, x, splits, _accumulate_dtype(dy.device))
-        out = inputs.out
-        if out is None:
-            out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=dy.device)
+        out = inputs.output(problem)
         acc = _accumulate_dtype(dy.device)
         start = 0
         for g, rows in enumerate(splits):

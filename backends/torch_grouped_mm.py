@@ -29,9 +29,7 @@ from collections.abc import Callable
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__, hookimpl
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from grouped_gemm.vocabulary import FLOAT_DTYPES
 
 #: torch checks that every stride but the unit one is a multiple of 16 bytes.
 _STRIDE_BYTES = 16
@@ -132,8 +130,8 @@ def _dtypes(problem: Problem) -> list[Reason]:
 def _shape(problem: Problem) -> list[Reason]:
     """16-byte strides, int32 offsets, and the CUTLASS kernel's group limit."""
     reasons = []
-    if problem.a_format in _ITEM_BYTES:
-        multiple = _STRIDE_BYTES // _ITEM_BYTES[problem.a_format]
+    if problem.a_format in FLOAT_DTYPES:
+        multiple = _STRIDE_BYTES // FLOAT_DTYPES[problem.a_format].itemsize
         for dim, value in (("N", problem.n), ("K", problem.k)):
             if value % multiple or value == 0:
                 reasons.append(
@@ -198,9 +196,8 @@ class TorchGroupedMMBackend(Backend):
             return self._wgrad(problem, inputs)
         a = _row_major(inputs.a)
         w = _row_major(inputs.b)
-        cols = problem.n if problem.op == "fwd" else problem.k
         if problem.m == 0:
-            return inputs.out if inputs.out is not None else a.new_empty(0, cols)
+            return inputs.output(problem)
         offsets = inputs.offsets(a.device)
         result = _GROUPED_MM(a, w.transpose(-2, -1) if problem.op == "fwd" else w, offs=offsets)
         if inputs.out is None:
@@ -228,9 +225,7 @@ class TorchGroupedMMBackend(Backend):
 
     def _no_rows(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor | list[torch.Tensor]:
         """wgrad with M = 0 (torch rejects a zero-length contraction dim): zeros or untouched."""
-        out = inputs.out
-        if out is None:
-            return inputs.a.new_zeros(problem.groups, problem.n, problem.k)
+        out = inputs.output(problem)
         if not problem.accumulate:
             if isinstance(out, list):
                 torch._foreach_zero_(out)

@@ -82,8 +82,8 @@ def api_call(op: str) -> Callable[..., torch.Tensor]:
 def problem_of(op: str, a: torch.Tensor, b: torch.Tensor, splits: Any) -> gg.Problem:
     """The Problem the API builds for these operands (as a backend's run receives it)."""
     if op == "wgrad":
-        return validation.wgrad(a, b, splits, None, None, None, False)[0]
-    return validation.fwd_or_dgrad(op, a, b, splits, None, None, None)[0]
+        return validation.wgrad(a, b, splits, None, None, None, False).problem()
+    return validation.fwd_or_dgrad(op, a, b, splits, None, None, None).problem()
 
 
 def rotating(fn: Callable[[int], Any], sets: int) -> Callable[[], Any]:

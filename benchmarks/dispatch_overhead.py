@@ -59,7 +59,7 @@ def measure(groups: int, backend: str, batches: int, calls: int) -> tuple[float,
     w = torch.randn(groups, 8, 8)
     splits = [2] * groups
     direct_backend = registry().get(backend).backend
-    problem, _ = validation.fwd_or_dgrad("fwd", x, w, splits, None, None, None)
+    problem = validation.fwd_or_dgrad("fwd", x, w, splits, None, None, None).problem()
 
     def api() -> None:
         gg.grouped_gemm(x, w, splits, backend=backend)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,38 +12,18 @@ import torch
 from grouped_gemm import config, validation
 from grouped_gemm.contract import BackendLike, BackendSpec, Reason
 from grouped_gemm.decision import Decision
-from grouped_gemm.device import DeviceInfo, device_info
-from grouped_gemm.dispatch import DISPATCHER, check_names, decide
+from grouped_gemm.device import DeviceInfo, described_device
+from grouped_gemm.dispatch import DISPATCHER, call_order, check_names, decide
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.plugins import PluginFailure
-from grouped_gemm.problem import OPS, Op, Problem, m_alignment, max_rows_bucket
+from grouped_gemm.problem import OPS, Op, Problem, build_problem
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
+from grouped_gemm.vocabulary import dtype_name
 
-#: Parsed per-call ``backend=`` values, least recently used dropped past the limit.
-_orders: OrderedDict[Any, config.Order] = OrderedDict()
-ORDER_CACHE_SIZE = 256
 #: Groups a described problem may have: its splits are built as a host list.
 MAX_DESCRIBED_GROUPS = 1 << 20
-
-
-def _call_order(backend: Any) -> config.Order | None:
-    """Parse a per-call ``backend=`` once per distinct value."""
-    if backend is None:
-        return None
-    key = tuple(backend) if isinstance(backend, list) else backend
-    try:
-        cached = _orders.get(key)
-    except TypeError:  # an unhashable mapping: parse every time
-        return config.parse_order(backend, "backend")
-    if cached is None:
-        cached = config.parse_order(backend, "backend")
-        _orders[key] = cached
-        while len(_orders) > ORDER_CACHE_SIZE:
-            with contextlib.suppress(KeyError):  # another thread evicted it first
-                _orders.popitem(last=False)
-    return cached
 
 
 def grouped_gemm(
@@ -64,8 +43,7 @@ def grouped_gemm(
     the host or the device). ``recipe`` defaults to the plain recipe of ``x``'s dtype.
     ``backend`` names a backend, a list of them, or an order string to prefer.
     """
-    problem, inputs = validation.fwd_or_dgrad("fwd", x, w, m_splits, recipe, out, out_dtype)
-    return DISPATCHER.run(problem, inputs, _call_order(backend))
+    return DISPATCHER.run(validation.fwd_or_dgrad("fwd", x, w, m_splits, recipe, out, out_dtype), backend)
 
 
 def grouped_gemm_dgrad(
@@ -79,8 +57,7 @@ def grouped_gemm_dgrad(
     backend: Any = None,
 ) -> torch.Tensor:
     """Input gradient: ``dx[rows of g] = dy[rows of g] @ w[g]`` -> ``(M, K)``."""
-    problem, inputs = validation.fwd_or_dgrad("dgrad", dy, w, m_splits, recipe, out, out_dtype)
-    return DISPATCHER.run(problem, inputs, _call_order(backend))
+    return DISPATCHER.run(validation.fwd_or_dgrad("dgrad", dy, w, m_splits, recipe, out, out_dtype), backend)
 
 
 def grouped_gemm_wgrad(
@@ -100,8 +77,7 @@ def grouped_gemm_wgrad(
     ``main_grad``); groups without rows leave it untouched. Without it, empty groups
     give zeros. ``out`` may be a list of G ``(N, K)`` tensors (one per expert).
     """
-    problem, inputs = validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate)
-    return DISPATCHER.run(problem, inputs, _call_order(backend))
+    return DISPATCHER.run(validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate), backend)
 
 
 def describe_problem(
@@ -122,8 +98,9 @@ def describe_problem(
 ) -> Problem:
     """A Problem for a described call (no tensors), e.g. for ``explain`` on another chip.
 
-    ``device`` is a DeviceInfo or an arch name (default: this machine's current device);
-    ``splits`` is ``"balanced"``, ``"skewed"`` or explicit group sizes.
+    ``device`` is a DeviceInfo or an arch name (default: the ``use_device`` in force, else
+    this machine's current device); ``splits`` is ``"balanced"``, ``"skewed"`` or explicit
+    group sizes. The Problem is built as a real call with such tensors builds it.
     """
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
@@ -133,7 +110,7 @@ def describe_problem(
     if groups > MAX_DESCRIBED_GROUPS:
         raise InvalidArgumentError("groups", groups, f"at most {MAX_DESCRIBED_GROUPS} for a described problem")
     resolved = get_recipe(recipe)
-    info = _described_device(device)
+    info = described_device(device)
     if isinstance(splits, str):
         if splits not in ("balanced", "skewed"):
             raise InvalidArgumentError("splits", splits, "'balanced', 'skewed' or a list of group sizes")
@@ -143,10 +120,10 @@ def describe_problem(
         if len(sizes) != groups or sum(sizes) != m or min(sizes) < 0:
             raise InvalidArgumentError("splits", splits, f"{groups} non-negative sizes summing to m={m}")
     in_dtype = _dtype_name(dtype) if dtype is not None else (resolved.plain_dtype or "bfloat16")
-    cap = registry().max_m_multiple
-    return Problem(
+    reg = registry()
+    return build_problem(
         op=op,
-        recipe=resolved.name,
+        recipe=resolved,
         groups=groups,
         m=m,
         n=n,
@@ -156,27 +133,18 @@ def describe_problem(
         out_dtype=_dtype_name(out_dtype) if out_dtype is not None else in_dtype,
         device=info,
         placement="cpu" if info.vendor == "cpu" else "cuda",
-        scale_rule=resolved.scale_rule,
-        grad_format=resolved.grad_format,  # as the real call sets it: dgrad / wgrad eligibility reads it
-        host_splits=not device_splits,
+        splits=None if device_splits else sizes,
+        m_align_cap=reg.max_m_multiple,
+        max_rows_groups=reg.max_rows_groups,
         weight_list=weight_list,
         accumulate=accumulate,
-        m_align=m_alignment(None if device_splits else sizes, cap),
-        max_rows=max_rows_bucket(None if device_splits else sizes) if groups <= registry().max_rows_groups else None,
+        contiguous=True,
+        capturing=False,
     )
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
-    return dtype if isinstance(dtype, str) else validation.dtype_name(dtype)
-
-
-def _described_device(device: DeviceInfo | str | None) -> DeviceInfo:
-    if isinstance(device, DeviceInfo):
-        return device
-    if isinstance(device, str):
-        return DeviceInfo.for_arch(device)
-    here = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return device_info(here)
+    return dtype if isinstance(dtype, str) else dtype_name(dtype)
 
 
 def explain(
@@ -196,22 +164,24 @@ def explain(
 
     Pass the call's tensors (``explain(x, w, splits)``; for dgrad ``(dy, w, splits)``,
     for wgrad ``(dy, x, splits)``) or describe it with ``describe_problem``'s keywords
-    (``groups=, m=, n=, k=, device="gfx950", splits="skewed"``...).
+    (``groups=, m=, n=, k=, device="gfx950", splits="skewed"``...). Tensors are judged on
+    the chip under them; a description on the described chip (``use_device``).
     """
     if a is not None:
         if described:
             raise InvalidArgumentError("explain", sorted(described), "tensors or a description, not both")
         if op == "wgrad":
-            problem, _ = validation.wgrad(a, b, m_splits, recipe, out, out_dtype, accumulate)
+            call = validation.wgrad(a, b, m_splits, recipe, out, out_dtype, accumulate)
         elif op in OPS:
-            problem, _ = validation.fwd_or_dgrad(op, a, b, m_splits, recipe, out, out_dtype)
+            call = validation.fwd_or_dgrad(op, a, b, m_splits, recipe, out, out_dtype)
         else:
             raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
+        problem = call.problem()
     else:
         problem = describe_problem(
             op=op, recipe=recipe or "bf16", out_dtype=out_dtype, accumulate=accumulate, **described
         )
-    decision, _ = decide(problem, _call_order(backend))
+    decision, _ = decide(problem, call_order(backend))
     return decision
 
 
@@ -245,7 +215,7 @@ def _probe(spec: BackendSpec, device: DeviceInfo) -> Problem:
 
 def list_backends(device: DeviceInfo | str | None = None) -> list[BackendInfo]:
     """Every registered backend, by name, with whether it can run here and why not."""
-    info = _described_device(device)
+    info = described_device(device)
     out = []
     for entry in registry().entries():
         decision, _ = decide(_probe(entry.spec, info), config.parse_order([entry.spec.name]))

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.arguments import check_bias, snapshot_splits
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.linear_math import (
@@ -52,6 +51,7 @@ from grouped_gemm.linear_math import (
 )
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipes import Recipe
+from grouped_gemm.validation import check_bias, snapshot_splits
 
 
 @dataclasses.dataclass(frozen=True)

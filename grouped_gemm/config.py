@@ -187,7 +187,6 @@ class _State:
         self.env: Settings | None = None
         self.code: dict[str, Any] = {}
         self.effective: Settings | None = None
-        self.version = 0
 
     def current(self) -> Settings:
         effective = self.effective
@@ -234,11 +233,6 @@ def set_in_code(field: str) -> bool:
     return field in _state.code
 
 
-def settings_version() -> int:
-    """Bumped on every ``configure``/``reset_config``: part of the decision-cache key."""
-    return _state.version
-
-
 def configure(**changes: Any) -> Settings:
     """Set process-wide options in code; they override the environment.
 
@@ -261,7 +255,6 @@ def configure(**changes: Any) -> Settings:
     with _state.lock:
         _state.code = {**_state.code, **{name: getattr(validated, name) for name in updates}}
         _state.effective = None
-        _state.version += 1
     _changed()
     return _state.current()
 
@@ -272,7 +265,6 @@ def reset_config() -> Settings:
         _state.code = {}
         _state.env = None
         _state.effective = None
-        _state.version += 1
     _changed()
     return _state.current()
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grouped_gemm.recipes import RECIPES
+from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, DTypeName
 
 if TYPE_CHECKING:
     import torch
@@ -79,8 +80,8 @@ class BackendSpec(BaseModel):
     recipes: frozenset[str]
     vendors: frozenset[Literal["cpu", "cuda", "rocm"]]
     archs: tuple[str, ...] = ()
-    dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset({"bfloat16", "float16", "float32"})
-    out_dtypes: frozenset[Literal["bfloat16", "float16", "float32"]] = frozenset({"bfloat16", "float16", "float32"})
+    dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
+    out_dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
     mx_formats: frozenset[Literal["e4m3", "e5m2", "e2m1"]] = frozenset()
     m_multiple: int = Field(default=1, ge=1)
     n_multiple: int = Field(default=1, ge=1)

@@ -1,9 +1,11 @@
 """DeviceInfo: what the chip under a call is and can do.
 
-Detected once per torch device, and overridable (``use_device``) so that dispatch
-decisions for another chip ("what would run on gfx950?") can be asked and tested on any
-machine. An override changes what backends are *told* about the chip; tensors stay
-where they are, so a backend that needs the real hardware checks ``Problem.placement``.
+Detected once per torch device: a call routes by the chip under its tensors. A chip can
+also be described (``DeviceInfo.for_arch``, ``use_device``) to ask what would run there
+("what would run on gfx950?") with ``explain`` / ``describe_problem`` on any machine; a
+description never changes what a call on real tensors runs. Tests that must run another
+chip's code path on this machine's tensors (Triton's CPU interpreter down gfx950's
+``dot_scaled`` path) say so with ``emulated``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 import os
 import platform
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -104,22 +106,42 @@ def known_archs() -> tuple[str, ...]:
 
 _detected: dict[torch.device, DeviceInfo] = {}
 _detect_lock = threading.Lock()
-_override: contextvars.ContextVar[DeviceInfo | None] = contextvars.ContextVar(
-    "grouped_gemm_device_override", default=None
+_described: contextvars.ContextVar[DeviceInfo | None] = contextvars.ContextVar(
+    "grouped_gemm_described_device", default=None
 )
+_listeners: list[Callable[[], None]] = []
 
 
 def device_info(device: torch.device) -> DeviceInfo:
-    """The DeviceInfo for a torch device: the active override, else the detected chip."""
-    override = _override.get()
-    if override is not None:
-        return override
+    """The chip under a torch device, detected once (or as ``emulated`` says)."""
     info = _detected.get(device)
     if info is None:
         with _detect_lock:
             info = _detected.get(device) or _detect(device)
             _detected[device] = info
     return info
+
+
+def described_device(device: DeviceInfo | str | None = None) -> DeviceInfo:
+    """The chip a described problem is for: ``device`` (a DeviceInfo or an arch name), else
+    the innermost ``use_device``, else this machine's current device."""
+    if isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, str):
+        return DeviceInfo.for_arch(device)
+    return _described.get() or device_info(_current_device())
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever ``emulated`` changes what a torch device is detected as
+    (the dispatcher drops the routes it decided for the old chip)."""
+    _listeners.append(callback)
 
 
 def _detect(device: torch.device) -> DeviceInfo:
@@ -171,14 +193,47 @@ if hasattr(os, "register_at_fork"):
 
 @contextlib.contextmanager
 def use_device(device: DeviceInfo | str) -> Iterator[DeviceInfo]:
-    """Make dispatch in this thread / task treat the chip as ``device`` (an arch name or
-    a DeviceInfo). Tensors are not moved: this answers "what would be chosen there?" and
-    lets arch-dependent code paths run under the Triton interpreter on CPU."""
+    """Describe problems in this thread / task as being on ``device`` (an arch name or a
+    DeviceInfo): ``explain`` and ``describe_problem`` without tensors, and ``list_backends``,
+    answer "what would be chosen there?". Calls on real tensors still route by the chip
+    under the tensors."""
     info = DeviceInfo.for_arch(device) if isinstance(device, str) else device
     if not isinstance(info, DeviceInfo):
         raise InvalidArgumentError("device", device, "an arch name or a DeviceInfo")
-    token = _override.set(info)
+    token = _described.set(info)
     try:
         yield info
     finally:
-        _override.reset(token)
+        _described.reset(token)
+
+
+@contextlib.contextmanager
+def emulated(chip: DeviceInfo | str, device: torch.device | str = "cpu") -> Iterator[DeviceInfo]:
+    """For tests: calls on tensors on ``device`` route, inside the block and in every
+    thread, as if that device were ``chip``, e.g. Triton's CPU interpreter down gfx950's
+    ``dot_scaled`` path, or an H200 through Triton's emulation of sm_100's. Unlike
+    ``use_device``, which only describes, this changes what real calls run."""
+    info = DeviceInfo.for_arch(chip) if isinstance(chip, str) else chip
+    if not isinstance(info, DeviceInfo):
+        raise InvalidArgumentError("chip", chip, "an arch name or a DeviceInfo")
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    with _detect_lock:
+        before = _detected.get(target)
+        _detected[target] = info
+    _changed()
+    try:
+        yield info
+    finally:
+        with _detect_lock:
+            if before is None:
+                _detected.pop(target, None)
+            else:
+                _detected[target] = before
+        _changed()
+
+
+def _changed() -> None:
+    for callback in _listeners:
+        callback()

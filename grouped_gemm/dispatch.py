@@ -1,9 +1,12 @@
 """Dispatch: rank the backends for a problem, pick the first eligible one, cache it.
 
-A cached call costs one dict lookup keyed by (problem signature, settings version,
-active scopes, per-call order, registry epoch). Reasons are logged at DEBUG whenever a
-decision is made; with fallback warnings on, a ``FallbackWarning`` is emitted once per
-(signature, decision).
+One bounded cache maps a call's key (``validation.CallKey``: its arguments' signature,
+with M bucketed) plus the active scopes and the per-call ``backend=`` to the call's
+Problem and route, so a repeated call costs one dict lookup. A miss builds the Problem
+(``Call.problem``), ranks every backend (``decide``) and caches both. Configuration,
+registry and emulated-device changes drop every cached route. Reasons are logged at DEBUG
+whenever a decision is made; with fallback warnings on, a ``FallbackWarning`` is emitted
+once per (signature, decision).
 """
 
 from __future__ import annotations
@@ -13,19 +16,24 @@ import os
 import threading
 import warnings
 from collections import Counter, OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from grouped_gemm import autotune, config
 from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
+from grouped_gemm.device import on_change as on_device_change
 from grouped_gemm.eligibility import declared_reasons
 from grouped_gemm.errors import BackendRunError, BackendUnavailableError, UnknownBackendError
-from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem
-from grouped_gemm.registry import Entry, Registry, _registry, registry
-from grouped_gemm.results import DTYPES, check_unmodified, checked_result, expected_shape, input_versions
+from grouped_gemm.registry import Entry, Registry, registry
+from grouped_gemm.registry import on_change as on_registry_change
+from grouped_gemm.results import check_unmodified, checked_result, input_versions
+
+if TYPE_CHECKING:
+    from grouped_gemm.validation import Call
 
 LOGGER = config.LOGGER
 
@@ -36,13 +44,16 @@ class FallbackWarning(UserWarning):
 
 @dataclasses.dataclass
 class _Routed:
-    """A cached decision plus what the hot path needs from it."""
+    """A cached call: its Problem (the latest M of its bucket), its decision, and what the
+    hot path needs from it."""
 
+    problem: Problem
     decision: Decision
     backend: BackendLike | None
     fallback_pairs: tuple[tuple[str, str], ...]
     fallbacks: tuple[str, ...]
     debug: bool
+    cached: bool = False
     calls: int = 0
     used: bool = False
     config: Any = None
@@ -182,65 +193,134 @@ def _debug_checks() -> bool:
     return config.settings().debug
 
 
-#: Routes kept per process (a run of distinct shapes or failing ``backend=`` values must
-#: not grow memory without bound). Eviction is CLOCK, the second-chance approximation of
-#: LRU: a hit only sets a flag (no reordering, so no second hash of the key on the hot
-#: path); the oldest route not used since it was last passed over is dropped.
+def call_order(backend: Any) -> config.Order | None:
+    """A per-call ``backend=`` (a name, an order string, a list of names or a recipe ->
+    names mapping) as an order."""
+    return None if backend is None else config.parse_order(backend, "backend")
+
+
+#: Marks a ``backend=`` mapping's parsed order in a cache key: no value a caller passes is it.
+_MAPPING = object()
+
+
+def _order_key(backend: Any) -> Any:
+    """``backend=`` as part of the cache key: a list as a tuple, a mapping (unhashable) by
+    its parsed order."""
+    if isinstance(backend, list):
+        return tuple(backend)
+    if isinstance(backend, Mapping):
+        return (_MAPPING, call_order(backend))
+    return backend
+
+
+#: Calls kept per process (a run of distinct shapes or failing ``backend=`` values must not
+#: grow memory without bound). Eviction is CLOCK, the second-chance approximation of LRU:
+#: a hit only sets a flag (no reordering, so no second hash of the key on the hot path);
+#: the oldest entry not used since it was last passed over is dropped.
 ROUTE_CACHE_SIZE = 1024
 
 
 class Dispatcher:
-    """The decision cache, fallback warnings and statistics of one process."""
+    """The call cache, fallback warnings and statistics of one process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, _Routed] = OrderedDict()
-        self._stamp: tuple[int, int] = (-1, -1)
+        self._generation = 0
         self._warned: set[tuple] = set()
         self._live: list[_Routed] = []
         self._retired: Counter[tuple[str, str]] = Counter()
 
-    def route(self, problem: Problem, call_order: config.Order | None, inputs: GroupedInputs | None = None) -> _Routed:
-        """The cached route for a problem, deciding (and warning) on a miss; with
-        ``inputs``, an autotune decision still pending is measured on them first."""
-        reg = _registry if _registry._loaded else registry()
-        stamp = (config._state.version, reg.epoch)
-        key = (problem.signature, config._scopes.get(), call_order)
-        if stamp == self._stamp:
+    def run(self, call: Call, backend: Any) -> Any:
+        """Route the call (its cached route, or decide one), run it, and check what the
+        backend returned against the problem.
+
+        A backend's exception, a result of the wrong type, shape, dtype or device, and
+        (in debug mode) an input it modified in place all come back as BackendRunError.
+        """
+        order_key = backend if backend is None or type(backend) is str else _order_key(backend)
+        key = (call.key, config.active_scopes(), order_key)
+        try:
             routed = self._cache.get(key)
-            if routed is not None and not (
-                routed.tune_pending and inputs is not None and autotune.can_measure(problem)
-            ):
-                routed.used = True
-                return routed
-        decision, warn = decide(problem, call_order)
-        if decision.tune_pending and inputs is not None and autotune.can_measure(problem):
-            autotune.TUNER.measure(problem, inputs, decision)
-            with self._lock:  # routes decided before (under capture, say) may use it now
-                self._retire(list(self._cache.values()))
-                self._cache.clear()
-            decision, warn = decide(problem, call_order)
-        backend = reg.get(decision.selected).backend if decision.selected else None
-        pairs = tuple((c.name, r.code) for c in decision.skipped for r in c.reasons)
+        except TypeError:  # an unhashable recipe= or out_dtype= (the Problem will say why)
+            routed = key = None
+        if routed is None or (routed.tune_pending and autotune.can_measure(routed.problem)):
+            routed = self._route(key, call, backend)
+        else:
+            routed.used = True
+        problem = routed.problem
+        if problem.m != call.m:  # another M of the same bucket: same route, its own Problem
+            problem = routed.problem = dataclasses.replace(problem, m=call.m)
+        chosen = routed.backend
+        if chosen is None:
+            raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
+        with self._lock:
+            if routed.cached:
+                routed.calls += 1
+            else:
+                self._retired.update(_counts(routed))
+        inputs = call.inputs
+        name = chosen.spec.name
+        versions = input_versions(inputs) if routed.debug else None
+        try:
+            if routed.config is None:
+                result = chosen.run(problem, inputs)
+            else:
+                result = chosen.run_config(problem, inputs, routed.config)
+        except Exception as exc:
+            raise BackendRunError(name, problem, exc) from exc
+        if versions is not None:
+            check_unmodified(name, problem, inputs, versions)
+        # The common case in few attribute reads; checked_result says what is wrong.
+        if (
+            inputs.out is None
+            and type(result) is torch.Tensor
+            and result.dtype is problem.out_torch_dtype
+            and result.shape == problem.out_shape
+            and result.device == inputs.a.device
+        ):
+            return result
+        return checked_result(name, problem, inputs, result)
+
+    def _route(self, key: tuple | None, call: Call, backend: Any) -> _Routed:
+        """The slow path: build the call's Problem, decide (measuring first when autotune
+        waits for this call), and cache both under ``key`` (None: not cacheable)."""
+        generation = self._generation  # a change from here on (configure, ...) leaves it uncached
+        problem = call.problem()
+        order = call_order(backend)
+        decision, warn = decide(problem, order)
+        if decision.tune_pending and autotune.can_measure(problem):
+            autotune.TUNER.measure(problem, call.inputs, decision)
+            self.clear()  # routes decided before (under capture, say) may use the measurement now
+            generation = self._generation
+            decision, warn = decide(problem, order)
+        selected = registry().get(decision.selected).backend if decision.selected else None
         chosen = decision.selected or "none"
-        named = tuple(f"{c.name} -> {chosen}" for c in decision.skipped if c.preferred)
         routed = _Routed(
-            decision, backend, pairs, named, _debug_checks(), config=decision.config, tune_pending=decision.tune_pending
+            problem,
+            decision,
+            selected,
+            tuple((c.name, r.code) for c in decision.skipped for r in c.reasons),
+            tuple(f"{c.name} -> {chosen}" for c in decision.skipped if c.preferred),
+            _debug_checks(),
+            config=decision.config,
+            tune_pending=decision.tune_pending,
         )
         with self._lock:
-            if stamp != self._stamp:
-                self._retire(list(self._cache.values()))
-                self._cache.clear()
-                self._stamp = stamp
-            self._cache[key] = routed
-            self._live.append(routed)
-            while len(self._cache) > ROUTE_CACHE_SIZE:
-                old_key, old = self._cache.popitem(last=False)
-                if old.used:  # a second chance: back to the end, flag cleared
-                    old.used = False
-                    self._cache[old_key] = old
-                else:
-                    self._retire([old])
+            if key is not None and generation == self._generation:
+                routed.cached = True
+                replaced = self._cache.pop(key, None)  # another thread's, or one waiting to be tuned
+                if replaced is not None:
+                    self._retire([replaced])
+                self._cache[key] = routed
+                self._live.append(routed)
+                while len(self._cache) > ROUTE_CACHE_SIZE:
+                    old_key, old = self._cache.popitem(last=False)
+                    if old.used:  # a second chance: back to the end, flag cleared
+                        old.used = False
+                        self._cache[old_key] = old
+                    else:
+                        self._retire([old])
         if decision.fallback:
             LOGGER.info("grouped_gemm fallback: %s", decision.summary())
             if warn:
@@ -251,8 +331,10 @@ class Dispatcher:
         """Fold dropped routes' counts into the totals (holding the lock)."""
         gone = {id(r) for r in routes}
         for routed in routes:
+            routed.cached = False
             for item in _counts(routed):
                 self._retired[item] += routed.calls
+            routed.calls = 0
         self._live = [r for r in self._live if id(r) not in gone]
 
     def clear(self) -> None:
@@ -260,7 +342,7 @@ class Dispatcher:
         with self._lock:
             self._retire(list(self._cache.values()))
             self._cache.clear()
-            self._stamp = (-1, -1)
+            self._generation += 1
 
     def _warn_once(self, decision: Decision) -> None:
         token = (decision.problem.signature, decision.selected, tuple(c.name for c in decision.skipped))
@@ -271,40 +353,6 @@ class Dispatcher:
                 self._warned.clear()
             self._warned.add(token)
         warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=5)
-
-    def run(self, problem: Problem, inputs: GroupedInputs, call_order: config.Order | None) -> Any:
-        """Route, run, and check what the backend returned against the problem.
-
-        A backend's exception, a result of the wrong type, shape, dtype or device, and
-        (in debug mode) an input it modified in place all come back as BackendRunError.
-        """
-        routed = self.route(problem, call_order, inputs)
-        backend = routed.backend
-        if backend is None:
-            raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
-        with self._lock:
-            routed.calls += 1
-        name = backend.spec.name
-        versions = input_versions(inputs) if routed.debug else None
-        try:
-            if routed.config is None:
-                result = backend.run(problem, inputs)
-            else:
-                result = backend.run_config(problem, inputs, routed.config)
-        except Exception as exc:
-            raise BackendRunError(name, problem, exc) from exc
-        if versions is not None:
-            check_unmodified(name, problem, inputs, versions)
-        # The common case in few attribute reads; checked_result says what is wrong.
-        if (
-            inputs.out is None
-            and type(result) is torch.Tensor
-            and result.dtype is DTYPES[problem.out_dtype]
-            and result.shape == expected_shape(problem)
-            and result.device == inputs.a.device
-        ):
-            return result
-        return checked_result(name, problem, inputs, result)
 
     def stats(self) -> dict[str, Any]:
         """Calls per selected backend; fallbacks as ``"skipped -> selected"`` for named
@@ -341,6 +389,8 @@ def _counts(routed: _Routed) -> list[tuple[str, str]]:
 
 DISPATCHER = Dispatcher()
 config.on_change(DISPATCHER.clear)
+on_registry_change(DISPATCHER.clear)
+on_device_change(DISPATCHER.clear)
 
 
 def _after_fork() -> None:

@@ -6,20 +6,25 @@ kernels read (a cumsum, or a host-to-device copy for host splits). ``gg.offsets(
 does that once; the result is accepted wherever ``m_splits`` is, and behaves exactly like
 its ``splits`` tensor would (device-resident: device splits on a GPU, read back as host
 splits on the CPU), except that the ends are not recomputed.
+
+Host group sizes are parsed here too (``host_split_ints``), once for every caller:
+validation, ``gg.offsets`` and ``quantize_mx_rows``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from grouped_gemm.errors import DeviceMismatchError, SplitsError
+from grouped_gemm.errors import DeviceMismatchError, InvalidTypeError, SplitsError
 from grouped_gemm.inputs import host_to_device
+from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 #: The ends are int32 (what the kernels take), so the total number of rows must fit.
 _MAX_ROWS = 2**31 - 1
 
@@ -68,8 +73,8 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
         raise DeviceMismatchError("device", device, f"{m_splits.device}, where these offsets already live")
     target = torch.device(device) if device is not None else None
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.dim() != 1 or m_splits.dtype not in _INT_DTYPES or m_splits.layout != torch.strided:
-            raise SplitsError("m_splits", m_splits, "a 1-D integer tensor (int32 or int64)")
+        if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout != torch.strided:
+            raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
         if m_splits.device.type == "meta":
             raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or a GPU), not meta")
         if m_splits.device.type != "cpu":
@@ -77,8 +82,6 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
             return GroupOffsets(splits, torch.cumsum(splits, 0, dtype=torch.int32), None)
         values = m_splits.tolist()
     elif isinstance(m_splits, (list, tuple)):
-        from grouped_gemm.arguments import host_split_ints  # arguments imports this module
-
         values = host_split_ints(m_splits)
     else:
         raise SplitsError("m_splits", m_splits, "a list/tuple of ints or a 1-D integer tensor")
@@ -98,3 +101,45 @@ def _from_host(values: list[int], device: torch.device) -> GroupOffsets:
     groups = len(values)
     both = host_to_device([*values, *itertools.accumulate(values)], device)
     return GroupOffsets(both[:groups], both[groups:], total)
+
+
+def as_ints(values: Sequence[Any]) -> list[int]:
+    """Host group sizes as Python ints: ints, numpy integers and 1-element integer tensors;
+    bools and floats are rejected."""
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or type(v).__name__ == "bool_":
+            raise SplitsError("m_splits", values, f"integers; m_splits[{i}]={v!r} is a bool")
+        if isinstance(v, torch.Tensor) and (v.dtype not in SPLIT_DTYPES or v.numel() != 1):
+            raise SplitsError(
+                "m_splits", values, f"integers; m_splits[{i}] is a tensor of dtype {v.dtype} with {v.numel()} elements"
+            )
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise SplitsError("m_splits", values, f"integers; m_splits[{i}]={v!r} is a {type(v).__name__}") from None
+    return out
+
+
+def splits_type_error(m_splits: Any) -> InvalidTypeError:
+    return InvalidTypeError(
+        "m_splits",
+        m_splits,
+        "a list/tuple of ints, a 1-D integer tensor (on the host or on the device) or gg.offsets(m_splits)",
+    )
+
+
+def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
+    """Group sizes given as a list/tuple of ints (Python, numpy or 1-element integer
+    tensors) or a 1-D integer tensor on the CPU, as Python ints; bools and floats are
+    rejected."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype not in SPLIT_DTYPES:
+            raise SplitsError(argument, values, SPLIT_TENSOR)
+        return values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise splits_type_error(values)
+    try:
+        return as_ints(values)
+    except SplitsError as exc:
+        raise SplitsError(argument, values, exc.allowed) from None

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from grouped_gemm.problem import Problem
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,6 +35,13 @@ class GroupedInputs:
     m_splits: tuple[int, ...] | torch.Tensor
     out: Any = None
     _offsets: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def output(self, problem: Problem) -> Any:
+        """Where the result goes: ``out`` when the caller gave one, else a new uninitialized
+        tensor of ``problem.out_shape`` and ``out_dtype`` on the operands' device."""
+        if self.out is not None:
+            return self.out
+        return torch.empty(problem.out_shape, dtype=problem.out_torch_dtype, device=self.a.device)
 
     def splits_list(self) -> list[int]:
         """Group sizes on the host, a fresh list (a device-to-host sync if they live on

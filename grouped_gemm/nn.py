@@ -18,7 +18,7 @@ from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeErr
 from grouped_gemm.linear_math import recipe_key
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
-from grouped_gemm.validation import dtype_name
+from grouped_gemm.vocabulary import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
 _PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -10,17 +10,26 @@ dgrad   dy ``(M, N)``  w  ``(G,N,K)``  ``(M, K)``
 wgrad   dy ``(M, N)``  x  ``(M, K)``   ``(G, N, K)``
 ======  =============  ==============  ===============
 
-Decisions are cached per ``signature``: the problem with M rounded up to a power of two,
-so ragged token counts that change every step reuse one decision. A backend's ``check``
+Decisions are made per ``signature``: the problem with M rounded up to a power of two
+(the dispatch cache buckets M the same way), so ragged token counts that change every step
+reuse one decision. A backend's ``check``
 and ``priority`` must therefore not depend on M beyond its bucket.
+
+``build_problem`` is the one way a Problem is made, for a real call (``validation``) and a
+described one (``describe_problem``) alike, so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal
 
+import torch
+
 from grouped_gemm.device import DeviceInfo
+from grouped_gemm.recipes import Recipe
+from grouped_gemm.vocabulary import FLOAT_DTYPES
 
 Op = Literal["fwd", "dgrad", "wgrad"]
 OPS: tuple[Op, ...] = ("fwd", "dgrad", "wgrad")
@@ -34,7 +43,8 @@ class Problem:
     and ``"mx_<fmt>"`` (``"mx_e2m1"``) for pre-quantized MXTensor operands.
     ``scale_rule`` and ``grad_format`` come from the recipe (the only parts of a built-in
     recipe a caller may change). ``placement`` is where the tensors are (``"cpu"`` or ``"cuda"``, which ROCm shares);
-    ``device`` is the chip dispatch reasons about (possibly described, see ``use_device``).
+    ``device`` is the chip: the one under the tensors for a real call, the described one
+    for ``describe_problem`` / ``explain`` without tensors (see ``use_device``).
     ``m_align`` is the largest power of two (capped at the largest alignment any
     registered backend asks for) dividing every group's row count; 0 when the splits
     live on the device and are not read. ``max_rows`` is the largest group's row count
@@ -42,8 +52,8 @@ class Problem:
     without a decision per distinct maximum); None when the splits live on the device,
     or when no registered backend declaring ``max_padding`` takes G groups (it costs a
     pass over the splits).
-    ``signature`` (computed once) is the decision-cache key: every field, with M
-    bucketed to a power of two.
+    ``signature`` (computed once) names the decision: every field, with M bucketed to a
+    power of two (fallback warnings and autotuning records are per signature).
     """
 
     op: Op
@@ -73,6 +83,20 @@ class Problem:
         object.__setattr__(self, "signature", fields[:3] + (m_bucket(self.m),) + fields[4:])
 
     @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The result's shape: fwd ``(M, N)``, dgrad ``(M, K)``, wgrad ``(G, N, K)``."""
+        if self.op == "fwd":
+            return (self.m, self.n)
+        if self.op == "dgrad":
+            return (self.m, self.k)
+        return (self.groups, self.n, self.k)
+
+    @property
+    def out_torch_dtype(self) -> torch.dtype:
+        """``out_dtype`` as a torch dtype."""
+        return FLOAT_DTYPES[self.out_dtype]
+
+    @property
     def flops(self) -> int:
         """Multiply-adds counted twice: ``2 * M * N * K`` for every op."""
         return 2 * self.m * self.n * self.k
@@ -97,33 +121,87 @@ class Problem:
         )
 
 
-_KEY_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.name != "signature")
+_KEY_FIELDS = tuple(f for f in dataclasses.fields(Problem) if f.init)
+
+
+def build_problem(
+    *,
+    op: Op,
+    recipe: Recipe,
+    groups: int,
+    m: int,
+    n: int,
+    k: int,
+    a_format: str,
+    b_format: str,
+    out_dtype: str,
+    device: DeviceInfo,
+    placement: str,
+    splits: Sequence[int] | None,
+    m_align_cap: int,
+    max_rows_groups: int,
+    weight_list: bool,
+    accumulate: bool,
+    contiguous: bool,
+    capturing: bool,
+) -> Problem:
+    """The Problem of a call, real or described: every field from its source, none by default.
+
+    ``recipe`` is resolved (its name, scale rule and gradient format go in); ``splits`` are
+    the group sizes when they are on the host, None when they live on the device (never
+    read). ``m_align_cap`` and ``max_rows_groups`` are the registry's
+    (``Registry.max_m_multiple`` / ``max_rows_groups``): see ``split_facts``.
+    """
+    m_align, max_rows = split_facts(splits, groups, m_align_cap=m_align_cap, max_rows_groups=max_rows_groups)
+    return Problem(
+        op=op,
+        recipe=recipe.name,
+        groups=groups,
+        m=m,
+        n=n,
+        k=k,
+        a_format=a_format,
+        b_format=b_format,
+        out_dtype=out_dtype,
+        device=device,
+        placement=placement,
+        scale_rule=recipe.scale_rule,
+        grad_format=recipe.grad_format,
+        host_splits=splits is not None,
+        weight_list=weight_list,
+        accumulate=accumulate,
+        contiguous=contiguous,
+        capturing=capturing,
+        m_align=m_align,
+        max_rows=max_rows,
+    )
+
+
+def split_facts(
+    splits: Sequence[int] | None, groups: int, *, m_align_cap: int, max_rows_groups: int
+) -> tuple[int, int | None]:
+    """``(m_align, max_rows)`` of host ``splits`` (None: device splits).
+
+    ``m_align`` is capped at ``m_align_cap``, the largest row multiple a registered backend
+    asks for (1: no pass over the splits); ``max_rows`` (a pass over the splits) is only
+    computed when a registered padding backend takes ``groups`` groups
+    (``groups <= max_rows_groups``). Runs on every call: kept to one function call.
+    """
+    if splits is None:
+        return (0 if m_align_cap > 1 else 1), None
+    if m_align_cap <= 1:
+        m_align = 1
+    else:
+        bits = 0
+        for s in splits:
+            bits |= s
+        m_align = m_align_cap if bits == 0 else min(bits & -bits, m_align_cap)
+    if groups > max_rows_groups:
+        return m_align, None
+    top = max(splits, default=0)
+    return m_align, 0 if top <= 0 else 1 << (top - 1).bit_length()
 
 
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two (0 stays 0)."""
     return 0 if m <= 0 else 1 << (m - 1).bit_length()
-
-
-def max_rows_bucket(splits: tuple[int, ...] | list[int] | None) -> int | None:
-    """``Problem.max_rows``: the largest split rounded up to a power of two (None for
-    device splits, which are not read)."""
-    if splits is None:
-        return None
-    return m_bucket(max(splits, default=0))
-
-
-def m_alignment(splits: list[int] | None, cap: int) -> int:
-    """``Problem.m_align``: the largest power of two <= ``cap`` dividing every split (zero
-    splits divide all); 0 when the splits are on the device (``None``) and an alignment
-    is asked for, since they are not read."""
-    if cap <= 1:
-        return 1
-    if splits is None:
-        return 0
-    bits = 0
-    for s in splits:
-        bits |= s
-    if bits == 0:
-        return cap
-    return min(bits & -bits, cap)

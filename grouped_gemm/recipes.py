@@ -13,10 +13,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from grouped_gemm.errors import UnknownRecipeError
+from grouped_gemm.vocabulary import DTypeName
 
 ScaleRule = Literal["rceil", "floor", "even"]
 ElementFormat = Literal["e4m3", "e5m2", "e2m1"]
-PLAIN_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class Recipe(BaseModel):
@@ -29,7 +29,7 @@ class Recipe(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
-    plain_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    plain_dtype: DTypeName | None = None
     act_format: ElementFormat | None = None
     weight_format: ElementFormat | None = None
     grad_format: ElementFormat | None = None
@@ -52,7 +52,7 @@ RECIPES: dict[str, Recipe] = {
     "a16w4": Recipe(name="a16w4", weight_format="e2m1"),
 }
 
-_PLAIN_BY_DTYPE = {r.plain_dtype: r for r in RECIPES.values() if r.plain_dtype}
+_PLAIN_RECIPE_BY_DTYPE_NAME = {r.plain_dtype: r for r in RECIPES.values() if r.plain_dtype}
 
 
 def get_recipe(recipe: str | Recipe) -> Recipe:
@@ -90,4 +90,4 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
 
 def plain_recipe_for(dtype_name: str) -> Recipe | None:
     """The plain recipe whose dtype is ``dtype_name`` (``"bfloat16"`` -> bf16), if any."""
-    return _PLAIN_BY_DTYPE.get(dtype_name)
+    return _PLAIN_RECIPE_BY_DTYPE_NAME.get(dtype_name)

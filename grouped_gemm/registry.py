@@ -1,7 +1,8 @@
 """The backend registry: every backend by name, which plugin gave it, what failed.
 
-Loaded lazily on first use. Every change bumps ``epoch``, which is part of the
-decision-cache key, so registering a backend invalidates cached decisions.
+Loaded lazily on first use. Every change bumps ``epoch`` (autotuning records name it)
+and calls the ``on_change`` callbacks: the dispatcher drops its cached routes, so
+registering a backend invalidates cached decisions.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 
 from grouped_gemm.contract import BackendLike, BackendSpec
 from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
@@ -38,6 +40,7 @@ class Registry:
         self.max_m_multiple = 1
         self.max_rows_groups = 0
         self._loaded = False
+        self._listeners: list[Callable[[], None]] = []
 
     def ensure_loaded(self) -> Registry:
         """Load built-in and entry-point plugins once."""
@@ -47,6 +50,10 @@ class Registry:
                     self.failures.extend(collect(self.register))
                     self._loaded = True
         return self
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every registration and removal (without loading plugins)."""
+        self._listeners.append(callback)
 
     def register(self, backend: object, plugin: str = "code") -> None:
         """Add a backend; its name must be new."""
@@ -66,6 +73,7 @@ class Registry:
                 )
             self._entries = {**self._entries, spec.name: Entry(backend, plugin)}
             self._changed()
+        self._notify()
 
     def unregister(self, name: str) -> BackendLike:
         """Remove a backend by name and return it."""
@@ -73,7 +81,8 @@ class Registry:
             entry = self.get(name)
             self._entries = {k: v for k, v in self._entries.items() if k != name}
             self._changed()
-            return entry.backend
+        self._notify()
+        return entry.backend
 
     def _changed(self) -> None:
         self.epoch += 1
@@ -82,6 +91,10 @@ class Registry:
         # run that many groups.
         padding = [e.spec.max_groups or 1 << 62 for e in self._entries.values() if e.spec.max_padding is not None]
         self.max_rows_groups = max(padding, default=0)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
 
     def get(self, name: str) -> Entry:
         """The entry for ``name``, or UnknownBackendError listing the known names."""
@@ -104,6 +117,12 @@ _registry = Registry()
 def registry() -> Registry:
     """The process-wide registry, loaded on first use."""
     return _registry.ensure_loaded()
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` after every change of the process-wide registry (loading it
+    included); subscribing does not load it."""
+    _registry.on_change(callback)
 
 
 def _after_fork() -> None:

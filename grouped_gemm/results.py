@@ -16,8 +16,6 @@ from grouped_gemm.errors import BackendRunError
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 class ContractViolation(Exception):
     """What a backend did against the contract (the cause of a BackendRunError)."""
@@ -25,15 +23,6 @@ class ContractViolation(Exception):
 
 def _operand_device(operand: Any) -> torch.device:
     return (operand[0] if isinstance(operand, list) else operand).device
-
-
-def expected_shape(problem: Problem) -> tuple[int, ...]:
-    """The result's shape: fwd ``(M, N)``, dgrad ``(M, K)``, wgrad ``(G, N, K)``."""
-    if problem.op == "fwd":
-        return (problem.m, problem.n)
-    if problem.op == "dgrad":
-        return (problem.m, problem.k)
-    return (problem.groups, problem.n, problem.k)
 
 
 def _tensor_problem(result: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str | None:
@@ -58,9 +47,9 @@ def checked_result(name: str, problem: Problem, inputs: GroupedInputs, result: A
     out = inputs.out
     if result is None:
         return _raise(name, problem, "run() returned None; it must return the result (inputs.out when given)")
-    dtype = DTYPES[problem.out_dtype]
+    dtype = problem.out_torch_dtype
     device = _operand_device(inputs.a)
-    shape = expected_shape(problem)
+    shape = problem.out_shape
     if isinstance(out, list):
         same = isinstance(result, (list, tuple)) and len(result) == len(out)
         if same and all(r is o for r, o in zip(result, out, strict=True)):

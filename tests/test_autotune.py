@@ -20,6 +20,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm import autotune, cli, testing, tuning_store, validation
 from grouped_gemm.bench import tune
+from grouped_gemm.device import emulated
 from grouped_gemm.dispatch import DISPATCHER
 from grouped_gemm.registry import registry
 from grouped_gemm.tuning_store import AutotuneCacheWarning, CloseCall, Timing, Tuning
@@ -237,9 +238,9 @@ def test_nothing_is_measured_under_capture_or_compile(only, gen, monkeypatch):
     only(TimedBackend("slow", delay=0.004, priority=5), TimedBackend("fast"))
     x, w = _operands(gen)
     gg.configure(autotune=True)
-    problem, _ = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None)
-    capturing = dataclasses.replace(problem, capturing=True)
-    out = DISPATCHER.run(capturing, gg.GroupedInputs(x, w, SPLITS), None)
+    call = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None)
+    capturing = dataclasses.replace(call, key=call.key._replace(capturing=True))
+    out = DISPATCHER.run(capturing, None)
     _check_fwd(out, x, w)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
@@ -250,7 +251,7 @@ def test_nothing_is_measured_under_capture_or_compile(only, gen, monkeypatch):
     _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)  # the first eager call measures
     assert gg.dispatch_stats()["autotune"]["tuned"] == 1
     gg.reset_dispatch_stats()
-    out = DISPATCHER.run(capturing, gg.GroupedInputs(x, w, SPLITS), None)  # the stored choice now
+    out = DISPATCHER.run(capturing, None)  # the stored choice now
     _check_fwd(out, x, w)
     assert gg.dispatch_stats()["selected"] == {"fast": 1}
     assert gg.dispatch_stats()["autotune"]["tuned"] == 0
@@ -300,7 +301,7 @@ def test_described_devices_are_never_measured(only, gen):
     only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
     x, w = _operands(gen)
     gg.configure(autotune=True)
-    with gg.use_device(gg.DeviceInfo.for_arch("cpu")):
+    with emulated(gg.DeviceInfo.for_arch("cpu")):
         gg.grouped_gemm(x, w, SPLITS)
     assert gg.dispatch_stats()["selected"] == {"slow": 1}
     assert gg.dispatch_stats()["autotune"]["tuned"] == 0
@@ -357,7 +358,7 @@ def test_a_corrupt_or_stale_file_is_ignored_with_a_warning(only, gen):
     only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
     x, w = _operands(gen)
     gg.configure(autotune=True)
-    problem, _ = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None)
+    problem = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None).problem()
     path = autotune.TUNER.file_for(problem.device)
     path.parent.mkdir(parents=True)
     path.write_text("{ not json")

@@ -1,4 +1,4 @@
-"""DeviceInfo: detection, described archs, and the use_device override."""
+"""DeviceInfo: detection, described archs, use_device (describes) and emulated (tests)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.device import device_info, known_archs
+from grouped_gemm.device import device_info, emulated, known_archs
 
 
 def test_cpu_is_detected():
@@ -36,13 +36,61 @@ def test_unknown_arch_lists_the_known_ones():
     assert "sm_90" in known_archs()
 
 
-def test_use_device_overrides_and_restores(gen):
-    x, w = torch.randn(4, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
-    with gg.use_device("gfx950") as info:
-        problem = gg.explain(x, w, [1, 3]).problem
-        assert problem.device == info and problem.placement == "cpu"
-    assert gg.explain(x, w, [1, 3]).problem.device.arch == "cpu"
+def test_use_device_describes_and_restores():
+    described = {"groups": 2, "m": 64, "n": 64, "k": 64, "recipe": "mxfp8"}
+    with gg.use_device("sm_100") as info:
+        problem = gg.explain(**described).problem
+        assert problem.device == info and problem.placement == "cuda"
+        assert gg.list_backends()[0].reasons_here == gg.list_backends("sm_100")[0].reasons_here
+    assert gg.explain(**described).problem.device.arch == "cpu"
     with pytest.raises(gg.InvalidArgumentError), gg.use_device(3):
+        pass
+
+
+def test_real_tensors_route_by_their_own_device_under_use_device(gen):
+    """A description does not steer real calls: CPU tensors under use_device("sm_100")
+    are judged, and run, as CPU tensors."""
+    x, w, splits = torch.randn(64, 64, generator=gen), torch.randn(2, 64, 64, generator=gen), [30, 34]
+    here = gg.explain(x, w, splits, recipe="mxfp8")
+    with gg.use_device("sm_100"):
+        described = gg.explain(groups=2, m=64, n=64, k=64, recipe="mxfp8", dtype="float32", splits=splits)
+        real = gg.explain(x, w, splits, recipe="mxfp8")
+        gg.grouped_gemm(x, w, splits, recipe="mxfp8")
+    assert described.problem.device.arch == "sm_100"
+    assert real.problem == here.problem and real.problem.device == device_info(torch.device("cpu"))
+    assert real.selected == here.selected
+    assert [(c.name, c.reasons) for c in real.candidates] == [(c.name, c.reasons) for c in here.candidates]
+    assert gg.dispatch_stats()["selected"] == {here.selected: 1}
+
+
+def test_emulated_routes_real_tensors_as_the_chip_and_restores(gen):
+    x, w = torch.randn(4, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
+    gg.grouped_gemm(x, w, [1, 3])  # a route cached for the CPU
+    cpu = device_info(torch.device("cpu"))
+    seen = []
+
+    class Spy(gg.Backend):
+        spec = gg.BackendSpec(
+            name="spy", ops=frozenset({"fwd"}), recipes=frozenset({"fp32"}), vendors=frozenset({"cpu", "rocm"})
+        )
+
+        def run(self, problem, inputs):
+            seen.append(problem.device.arch)
+            return gg.grouped_gemm(inputs.a, inputs.b, inputs.m_splits, backend="reference")
+
+    gg.register_backend(Spy())
+    try:
+        with gg.use_backends("spy"):
+            with emulated("gfx950") as info:
+                problem = gg.explain(x, w, [1, 3]).problem
+                assert problem.device == info and problem.placement == "cpu"
+                gg.grouped_gemm(x, w, [1, 3])
+            gg.grouped_gemm(x, w, [1, 3])
+    finally:
+        gg.unregister_backend("spy")
+    assert seen == ["gfx950", "cpu"]
+    assert device_info(torch.device("cpu")) is cpu
+    with pytest.raises(gg.InvalidArgumentError), emulated(3):
         pass
 
 

@@ -16,6 +16,7 @@ from grouped_gemm.backends import multistream
 from grouped_gemm.backends.multistream import ENV_STREAMS, MultistreamBackend
 
 import grouped_gemm as gg
+from grouped_gemm.device import emulated
 from grouped_gemm.dispatch import decide
 from grouped_gemm.testing import poison, random_splits, ref_dgrad, ref_fwd, ref_wgrad, sqnr_db
 
@@ -51,7 +52,7 @@ def codes(**described) -> list[str]:
 def test_cpu_tensors_are_not_its_business(gen):
     x, w = torch.randn(8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
     assert "placement" in [r.code for r in gg.explain(x, w, [3, 5]).candidate(NAME).reasons]
-    with gg.use_device("sm_90"):
+    with emulated("sm_90"):
         reasons = gg.explain(x, w, [3, 5]).candidate(NAME).reasons
     assert [r.code for r in reasons] == ["placement"] and "cpu" in reasons[0].message
 

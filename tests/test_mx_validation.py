@@ -10,6 +10,17 @@ import grouped_gemm as gg
 from grouped_gemm import validation
 
 
+def _fwd_or_dgrad(*args):
+    """(Problem, GroupedInputs) of a validated fwd / dgrad call, as a cache miss builds them."""
+    call = validation.fwd_or_dgrad(*args)
+    return call.problem(), call.inputs
+
+
+def _wgrad(*args):
+    call = validation.wgrad(*args)
+    return call.problem(), call.inputs
+
+
 @pytest.fixture
 def ops(gen):
     x = torch.randn(40, 64, generator=gen)
@@ -25,7 +36,7 @@ def ops(gen):
 def test_fwd_recipe_inferred_from_formats(ops, x_fmt, w_fmt, recipe):
     x, w, _, s = ops
     xa = x if x_fmt is None else gg.quantize_mx(x, x_fmt)
-    problem, inputs = validation.fwd_or_dgrad("fwd", xa, gg.quantize_mx_weight(w, w_fmt), s, None, None, None)
+    problem, inputs = _fwd_or_dgrad("fwd", xa, gg.quantize_mx_weight(w, w_fmt), s, None, None, None)
     assert problem.recipe == recipe
     assert problem.a_format == ("float32" if x_fmt is None else f"mx_{x_fmt}")
     assert problem.b_format == f"mx_{w_fmt}"
@@ -36,7 +47,7 @@ def test_fwd_recipe_inferred_from_formats(ops, x_fmt, w_fmt, recipe):
 
 def test_dgrad_e5m2_gradients_infer_the_grad_format(ops):
     _, w, dy, s = ops
-    problem, _ = validation.fwd_or_dgrad(
+    problem, _ = _fwd_or_dgrad(
         "dgrad", gg.quantize_mx(dy, "e5m2"), gg.quantize_mx_weight(w, "e4m3", op="dgrad"), s, None, None, None
     )
     assert (problem.recipe, problem.grad_format) == ("mxfp8", "e5m2")
@@ -45,16 +56,16 @@ def test_dgrad_e5m2_gradients_infer_the_grad_format(ops):
 def test_wgrad_formats(ops):
     x, _, dy, _ = ops
     dyq = gg.quantize_mx(dy[:32], "e4m3", axis=0)
-    problem, _ = validation.wgrad(dyq, x[:32], [32, 0, 0], "mxfp8", None, None, False)
+    problem, _ = _wgrad(dyq, x[:32], [32, 0, 0], "mxfp8", None, None, False)
     assert (problem.op, problem.a_format, problem.b_format) == ("wgrad", "mx_e4m3", "float32")
     xq = gg.quantize_mx(x[:32], "e4m3", axis=0)
-    problem, _ = validation.wgrad(gg.quantize_mx(dy[:32], "e5m2", axis=0), xq, [0, 32, 0], None, None, None, False)
+    problem, _ = _wgrad(gg.quantize_mx(dy[:32], "e5m2", axis=0), xq, [0, 32, 0], None, None, None, False)
     assert (problem.recipe, problem.grad_format, problem.b_format) == ("mxfp8", "e5m2", "mx_e4m3")
 
 
 def test_plain_path_problem_unchanged(ops):
     x, w, _, s = ops
-    problem, _ = validation.fwd_or_dgrad("fwd", x, w, s, None, None, None)
+    problem, _ = _fwd_or_dgrad("fwd", x, w, s, None, None, None)
     assert (problem.a_format, problem.b_format, problem.recipe) == ("float32", "float32", "fp32")
 
 
@@ -173,10 +184,10 @@ def test_recipe_object_with_e5m2_gradients(ops):
     recipe = gg.get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})
     dyq = gg.quantize_mx(dy, "e5m2")
     wq = gg.quantize_mx_weight(w, "e4m3", op="dgrad")
-    problem, _ = validation.fwd_or_dgrad("dgrad", dyq, wq, s, recipe, None, None)
+    problem, _ = _fwd_or_dgrad("dgrad", dyq, wq, s, recipe, None, None)
     assert problem.grad_format == "e5m2"
     with pytest.raises(gg.DTypeError, match=r"grad_format\) to e4m3, not e5m2"):
-        validation.fwd_or_dgrad("dgrad", dyq, wq, s, "mxfp8", None, None)
+        _fwd_or_dgrad("dgrad", dyq, wq, s, "mxfp8", None, None)
 
 
 def test_backends_see_the_mx_format_in_eligibility(ops):

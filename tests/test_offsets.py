@@ -126,12 +126,12 @@ def test_validation_hands_out_the_ends_without_a_kernel():
     offs = gg.offsets([5, 0, 3])
     x, w = torch.randn(8, 16), torch.randn(3, 4, 16)
     for op, a, b in (("fwd", x, w), ("dgrad", torch.randn(8, 4), w)):
-        _, inputs = validation.fwd_or_dgrad(op, a, b, offs, None, None, None)
+        inputs = validation.fwd_or_dgrad(op, a, b, offs, None, None, None).inputs
         with _OpLog() as log:
             ends = inputs.offsets(torch.device("cpu"))
         assert ends is offs.ends and log.ops == []
         assert inputs.m_splits == (5, 0, 3), "on the CPU the splits are read back as host splits"
-    _, inputs = validation.wgrad(torch.randn(8, 4), x, offs, None, None, None, False)
+    inputs = validation.wgrad(torch.randn(8, 4), x, offs, None, None, None, False).inputs
     assert inputs.offsets(torch.device("cpu")) is offs.ends
 
 

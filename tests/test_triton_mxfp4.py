@@ -2,7 +2,7 @@
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 when no GPU is visible): tiny shapes, both paths (the Hopper upcast kernel, chosen for the
-CPU's arch, and the dot_scaled kernel, chosen under ``use_device("gfx950")``). Outputs are
+CPU's arch, and the dot_scaled kernel, chosen under ``emulated("gfx950")``). Outputs are
 poisoned with NaN first, so a row a kernel forgets shows up. The GPU tests at the end run
 the same checks at realistic sizes (``pytest -m gpu``).
 """
@@ -19,6 +19,7 @@ from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, launch, layouts
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 
 import grouped_gemm as gg
+from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import poison, random_splits, ref_fwd, sqnr_db
@@ -88,7 +89,7 @@ def _check_against_reference(op, recipe, splits, n, k, gen, device="cpu"):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 def test_fwd_dgrad_match_reference(op, recipe, splits, path, gen):
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference(op, recipe, splits, n=64, k=96, gen=gen)
 
 
@@ -97,7 +98,7 @@ def test_fwd_dgrad_match_reference(op, recipe, splits, path, gen):
 def test_skewed_splits_and_even_contraction(path, gen):
     """Skewed random splits with empty groups, contraction a multiple of both K steps."""
     splits = random_splits(6, 150, empty=2, generator=gen)
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference("fwd", "mxfp4", splits, n=96, k=128, gen=gen)
         _check_against_reference("dgrad", "a16w4", splits, n=128, k=96, gen=gen)
 
@@ -106,7 +107,7 @@ def test_skewed_splits_and_even_contraction(path, gen):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("splits", [*CPU_SPLITS.values(), [33, 0, 1, 64]], ids=[*CPU_SPLITS, "straddling"])
 def test_wgrad_matches_reference(splits, path, gen):
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference("wgrad", "mxfp4", splits, n=64, k=96, gen=gen)
 
 
@@ -114,7 +115,7 @@ def test_wgrad_matches_reference(splits, path, gen):
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a8w4_wgrad_runs_e4m3_by_e4m3(path, gen):
     """a8w4's wgrad multiplies E4M3 gradients by E4M3 activations (no E2M1 operand)."""
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference("wgrad", "a8w4", [20, 0, 45], n=64, k=96, gen=gen)
 
 
@@ -126,7 +127,7 @@ def test_wgrad_accumulates_and_leaves_empty_groups(path, gen):
     dy, x = _operands("wgrad", "mxfp4", sum(splits), n, k, len(splits), gen)
     main_grad = torch.randn(len(splits), n, k, generator=gen)
     before = main_grad.clone()
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("wgrad", dy, x, splits, "mxfp4", NAME, out=main_grad, accumulate=True)
         want = _call("wgrad", dy, x, splits, "mxfp4", "reference", out=before.clone(), accumulate=True)
     assert got is main_grad
@@ -143,7 +144,7 @@ def test_prequantized_operands_and_layout_cache(path, gen):
     m, n, k = sum(splits), 64, 64
     x = quantize_mx(torch.randn(m, k, generator=gen), "e4m3")
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1", op="fwd")
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         want = _call("fwd", x, w, splits, "a8w4", "reference")
         first = _call("fwd", x, w, splits, "a8w4", NAME)
         assert sqnr_db(first, want) >= MIN_SQNR
@@ -169,7 +170,7 @@ def test_prequantized_dgrad_and_floor_scale_rule(path, gen):
     floor = gg.get_recipe("mxfp4").model_copy(update={"scale_rule": "floor"})
     x = torch.randn(m, k, generator=gen)
     w_hp = torch.randn(3, n, k, generator=gen)
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("dgrad", dy, w, splits, "mxfp4", NAME, out=poison(torch.empty(m, k)))
         assert sqnr_db(got, _call("dgrad", dy, w, splits, "mxfp4", "reference")) >= MIN_SQNR
         got = _call("fwd", x, w_hp, splits, floor, NAME, out=poison(torch.empty(m, n)))
@@ -347,7 +348,7 @@ GPU_SPLITS = {
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
 def test_gpu_matches_reference(op, recipe, splits, path, gen):
     """On the H200 the dot_scaled path runs Triton's own sm_90 emulation of tl.dot_scaled
-    (forced by describing the chip as sm_100); the upcast path is the one dispatch picks."""
+    (forced by emulating sm_100 on it); the upcast path is the one dispatch picks."""
     if op == "wgrad" and recipe == "a16w4":
         pytest.skip("a16w4's wgrad is bf16 x bf16: torch_grouped_mm runs it (see backend.check)")
     groups, m, n, k = (16, 96, 1024, 1536) if splits == "decode" else (8, 4096, 1536, 1024)
@@ -355,7 +356,7 @@ def test_gpu_matches_reference(op, recipe, splits, path, gen):
     arch = "sm_100" if path == "dot_scaled" else None
     device = torch.device("cuda")
     if arch:
-        with gg.use_device(arch):
+        with emulated(arch, "cuda"):
             _check_against_reference(op, recipe, sizes, n, k, gen, device)
     else:
         _check_against_reference(op, recipe, sizes, n, k, gen, device)

@@ -2,7 +2,7 @@
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 when no GPU is visible): tiny shapes, both paths (the Hopper upcast kernel, chosen for the
-CPU's arch, and the dot_scaled kernel, chosen under ``use_device("gfx950")``). Outputs are
+CPU's arch, and the dot_scaled kernel, chosen under ``emulated("gfx950")``). Outputs are
 poisoned with NaN first, so a row a kernel forgets shows up. The GPU tests at the end run
 the same checks at realistic sizes, the sm_90 PTX decode and CUDA-graph capture
 (``pytest -m gpu``).
@@ -21,6 +21,7 @@ from grouped_gemm.backends.triton_mx import TritonMxfp8Backend, launch, layouts_
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 
 import grouped_gemm as gg
+from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import poison, random_splits, ref_fwd, sqnr_db
@@ -94,7 +95,7 @@ def _check_against_reference(op, splits, n, k, gen, recipe="mxfp8", device="cpu"
 @pytest.mark.parametrize("splits", list(CPU_SPLITS.values()), ids=list(CPU_SPLITS))
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
 def test_ops_match_reference(op, splits, path, gen):
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference(op, splits, n=64, k=96, gen=gen)
 
 
@@ -106,7 +107,7 @@ def test_scale_rules(op, rule, path, gen):
     """High-precision inputs are quantized with the recipe's scale rule, as the reference
     does (rceil, the default, runs in every other test)."""
     recipe = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": rule})
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference(op, [17, 0, 30], n=64, k=64, gen=gen, recipe=recipe)
 
 
@@ -116,7 +117,7 @@ def test_skewed_splits_and_even_contraction(path, gen):
     """Skewed random splits with empty groups; contractions that are and are not multiples
     of the 128-element K step."""
     splits = random_splits(6, 150, empty=2, generator=gen)
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference("fwd", splits, n=96, k=128, gen=gen)
         _check_against_reference("dgrad", splits, n=160, k=64, gen=gen)
 
@@ -126,7 +127,7 @@ def test_skewed_splits_and_even_contraction(path, gen):
 @pytest.mark.parametrize("op", ["dgrad", "wgrad"])
 def test_e5m2_gradients(op, path, gen):
     """grad_format e5m2 through a Recipe copy: dy is E5M2 (its own decode / dot_scaled format)."""
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         _check_against_reference(op, [9, 0, 33, 2], n=64, k=64, gen=gen, recipe=E5M2_GRADS)
 
 
@@ -138,7 +139,7 @@ def test_dgrad_with_unquantized_gradients(path, gen):
     splits = [14, 0, 19]
     dy = torch.randn(33, 64, generator=gen).to(torch.bfloat16)
     w = torch.randn(3, 64, 96, generator=gen)
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("dgrad", dy, w, splits, recipe, NAME, out=poison(torch.empty(33, 96)))
     assert sqnr_db(got, _call("dgrad", dy, w, splits, recipe, "reference")) >= MIN_SQNR
 
@@ -158,7 +159,7 @@ def test_wgrad_accumulates_and_leaves_empty_groups(path, gen):
     dy, x = _operands("wgrad", sum(splits), n, k, len(splits), gen)
     main_grad = torch.randn(len(splits), n, k, generator=gen)
     before = main_grad.clone()
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("wgrad", dy, x, splits, "mxfp8", NAME, out=main_grad, accumulate=True)
         want = _call("wgrad", dy, x, splits, "mxfp8", "reference", out=before.clone(), accumulate=True)
     assert got is main_grad
@@ -174,7 +175,7 @@ def test_device_splits_tensor(op, path, gen):
     splits = [11, 0, 36]
     n, k = 64, 64
     a, b = _operands(op, sum(splits), n, k, 3, gen)
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call(op, a, b, torch.tensor(splits), "mxfp8", NAME, out=poison(torch.empty(_out_shape(op, 47, n, k, 3))))
         want = _call(op, a, b, splits, "mxfp8", "reference")
     assert sqnr_db(got, want) >= MIN_SQNR
@@ -192,7 +193,7 @@ def test_prequantized_operands_and_layout_cache(path, gen):
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e4m3", op="fwd")
     dy = quantize_mx(torch.randn(m, n, generator=gen), "e4m3")
     w_dgrad = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e4m3", op="dgrad")
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("dgrad", dy, w_dgrad, splits, "mxfp8", NAME, out=poison(torch.empty(m, k)))
         assert sqnr_db(got, _call("dgrad", dy, w_dgrad, splits, "mxfp8", "reference")) >= MIN_SQNR
         first = _call("fwd", x, w, splits, "mxfp8", NAME, out=poison(torch.empty(m, n)))
@@ -217,7 +218,7 @@ def test_nan_codes_give_nan_columns_like_the_reference(path, gen):
     w = quantize_mx_weight(torch.randn(3, 32, 64, generator=gen), "e4m3")
     w.data.view(torch.uint8)[2, 5, 40] = 0x7F
     w.data.view(torch.uint8)[0, 9, 3] = 0xFF
-    with gg.use_device(PATHS[path]):
+    with emulated(PATHS[path]):
         got = _call("fwd", x, w, splits, "mxfp8", NAME, out=poison(torch.empty(19, 32)))
     want = _call("fwd", x, w, splits, "mxfp8", "reference")
     assert torch.equal(torch.isnan(got), torch.isnan(want))
@@ -329,11 +330,9 @@ def test_upcast_contraction_steps(blocks, gen):
 
 
 def _problem(op, arch, **described):
-    """A described problem as a real call builds it (``describe_problem`` leaves
-    grad_format unset; calls take it from the recipe)."""
+    """A described problem (built as a real call builds it)."""
     args = {"groups": 8, "m": 4096, "n": 1024, "k": 2048, "recipe": "mxfp8", "device_splits": True, **described}
-    problem = gg.describe_problem(op=op, device=arch, **args)
-    return dataclasses.replace(problem, grad_format=gg.get_recipe(args["recipe"]).grad_format)
+    return gg.describe_problem(op=op, device=arch, **args)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "gfx950"])
@@ -356,9 +355,9 @@ def test_explain_selects_it_for_mxfp8(arch, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "gfx950"])
 @pytest.mark.parametrize("op", ["dgrad", "wgrad"])
 def test_explain_with_tensors_selects_it(op, arch, gen):
-    """Through real (CPU, interpreted) operands, described as the chip."""
+    """Through real (CPU, interpreted) operands, emulated as the chip."""
     a, b = _operands(op, 64, 64, 64, 2, gen)
-    with gg.use_device(arch):
+    with emulated(arch):
         decision = gg.explain(a, b, [30, 34], op=op, recipe="mxfp8")
     assert decision.selected == NAME
 
@@ -439,12 +438,12 @@ GPU_SPLITS = {
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
 def test_gpu_matches_reference(op, splits, path, gen):
     """On the H200 the dot_scaled path runs Triton's own sm_90 emulation of tl.dot_scaled
-    (forced by describing the chip as sm_100); the upcast path is the one dispatch picks."""
+    (forced by emulating sm_100 on it); the upcast path is the one dispatch picks."""
     groups, m, n, k = (16, 96, 1024, 1536) if splits == "decode" else (8, 4096, 1536, 1024)
     sizes = GPU_SPLITS[splits](groups, m)
     device = torch.device("cuda")
     if path == "dot_scaled":
-        with gg.use_device("sm_100"):
+        with emulated("sm_100", "cuda"):
             _check_against_reference(op, sizes, n, k, gen, device=device)
     else:
         _check_against_reference(op, sizes, n, k, gen, device=device)

@@ -26,7 +26,6 @@ from grouped_gemm import Backend, BackendSpec, GroupedInputs, MXTensor, Problem,
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 #: Output rows per tile of the rows kernel (mxfp8_grouped.cuh: BM).
 TILE_ROWS = 128
 BLOCK = 32
@@ -224,10 +223,7 @@ def _operand(problem: Problem, t: torch.Tensor | MXTensor, name: str, axis: int,
 
 
 def _run_rows(module: object, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-    cols = problem.n if problem.op == "fwd" else problem.k
-    out = inputs.out
-    if out is None:
-        out = torch.empty(problem.m, cols, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
+    out = inputs.output(problem)
     if problem.m == 0:
         return out
     a = _operand(problem, inputs.a, "x" if problem.op == "fwd" else "dy", 1)
@@ -265,10 +261,8 @@ def _token_major(
 
 
 def _run_wgrad(module: object, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-    out = inputs.out
     device = inputs.a.device
-    if out is None:
-        out = torch.empty(problem.groups, problem.n, problem.k, dtype=_DTYPES[problem.out_dtype], device=device)
+    out = inputs.output(problem)
     if problem.m == 0:
         return out if problem.accumulate else out.zero_()
     dy, x, token_ends = _token_major(problem, inputs, device)

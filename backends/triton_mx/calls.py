@@ -9,9 +9,6 @@ from grouped_gemm.backends.triton_mx import launch, operands
 
 from grouped_gemm import GroupedInputs, Problem
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 #: What the shared kernels can run, whichever backend registers them: the paths (sm_90
 #: upcast, dot_scaled on sm_100 / sm_103 / gfx950, Triton's interpreter on the CPU), MX
 #: blocks of 32 along K (fwd) and N (dgrad), one tile-schedule entry per group in registers.
@@ -39,10 +36,7 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         return _wgrad(problem, inputs)
     name = "x" if problem.op == "fwd" else "dy"
     device = inputs.b.device
-    out = inputs.out
-    if out is None:
-        n_out = problem.n if problem.op == "fwd" else problem.k
-        out = torch.empty(problem.m, n_out, dtype=_DTYPES[problem.out_dtype], device=device)
+    out = inputs.output(problem)
     if problem.m == 0:
         operands.activation(problem, inputs.a, name)  # an unfit MXTensor is refused all the same
         return out
@@ -63,8 +57,5 @@ def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
         if inputs.out is None and launch.vendor_wgrad_runs(problem):
             return launch.vendor_wgrad(dy_q, x_q, padded_ends)
-    out = inputs.out
-    if out is None:
-        shape = (problem.groups, problem.n, problem.k)
-        out = torch.empty(shape, dtype=_DTYPES[problem.out_dtype], device=inputs.a.device)
+    out = inputs.output(problem)
     return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)

@@ -17,13 +17,13 @@ from typing import Any, Literal
 
 import torch
 
-from grouped_gemm.arguments import host_split_ints
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
-from grouped_gemm.group_offsets import GroupOffsets
+from grouped_gemm.group_offsets import GroupOffsets, host_split_ints
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx, scale_rule_name
 from grouped_gemm.mx.tensor import MXTensor
+from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
 
@@ -110,8 +110,8 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
     if type(m_splits) is GroupOffsets:
         m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
-        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
-            raise SplitsError("m_splits", m_splits, "a 1-D integer tensor")
+        if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
+            raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
         return None, m_splits.to(device, torch.int64)
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type == "meta":
         raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or t's device), not meta")

@@ -23,7 +23,6 @@ MAX_PADDING = 4.0
 #: On CPU a padded bmm computes and copies the padding that ``torch._grouped_mm`` (priority
 #: 5 there) skips, so it ranks below it; elsewhere ``spec.priority`` applies.
 CPU_PRIORITY = 2
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def configured_capacity() -> int | None:
@@ -86,7 +85,7 @@ class PaddedBmmBackend(gg.Backend):
         index = _row_map(inputs, problem.m, capacity, device)
         groups = problem.groups
 
-        out_dtype = _DTYPES[problem.out_dtype]
+        out_dtype = problem.out_torch_dtype
         # An fp32 result (e.g. accumulating into an fp32 main_grad) is computed in fp32, so
         # bf16/fp16 inputs are not rounded to their own precision on the way.
         compute = torch.float32 if out_dtype == torch.float32 else a.dtype
@@ -108,8 +107,7 @@ class PaddedBmmBackend(gg.Backend):
             return out
         w = inputs.b.to(compute)
         rhs = w.transpose(1, 2) if problem.op == "fwd" else w
-        cols = problem.n if problem.op == "fwd" else problem.k
-        result = torch.bmm(padded(a), rhs).view(groups * capacity, cols).index_select(0, index)
+        result = torch.bmm(padded(a), rhs).view(groups * capacity, problem.out_shape[1]).index_select(0, index)
         return result.to(out_dtype)
 
 
