@@ -5,6 +5,10 @@ For each kernel configuration this script reports what the compiled code must sh
 
 - sm_90 upcast kernel (E2M1 and E4M3 weights): wgmma (``HGMMA`` in the SASS; the weight as
   the register operand, so no ``STS`` in the loop), registers and spills from ptxas;
+- sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
+  contraction loop, from the TTGIR: loads issued as ``cp.async`` copies before the loop
+  (the prologue) and inside it, into shared-memory rings at least two deep, and the wgmma
+  asynchronous inside the loop; with the PTX's ``cp.async`` / ``wgmma`` counts beside it;
 - sm_100 dot_scaled kernels (fwd e4m3 x e4m3, e5m2 x e4m3, wgrad): ``tcgen05.mma`` with an
   MX ``block_scale`` kind in the PTX;
 - gfx950 dot_scaled kernels: ``v_mfma_scale_f32_*_f8f6f4`` in the AMDGCN assembly.
@@ -75,6 +79,87 @@ def _inner_loop(sass: str) -> list[str]:
     return min(loops, key=len) if loops else []
 
 
+def _loop_body(ir: str, op: str) -> tuple[list[str], list[str]]:
+    """(lines before, lines inside) the innermost ``scf.for`` whose body holds ``op``: MLIR
+    prints a region's closing brace at its opening line's indentation."""
+    lines = ir.splitlines()
+    found: tuple[list[str], list[str]] = ([], [])
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(" " * indent + "}"))
+        body = lines[i + 1 : end]
+        if any(op in b for b in body) and (not found[1] or len(body) < len(found[1])):
+            found = (lines[:i], body)
+    return found
+
+
+def _pipeline(c) -> dict:
+    """How the sm_90 contraction loop is software-pipelined, from the TTGIR (and the PTX).
+
+    ``ok`` needs all of: ``cp.async`` copies (``ttg.async_copy_global_to_local``) issued
+    before the loop and inside it, shared-memory rings (``ttg.local_alloc`` of a
+    ``stages x tile`` buffer) at least two deep, and an asynchronous wgmma inside the loop.
+    A loop the pipeliner left alone (a ``while``, or one stage) has plain loads instead."""
+    ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
+    before, body = _loop_body(ttgir, "ttng.warp_group_dot ")
+    copy = "ttg.async_copy_global_to_local"
+    rings = [int(d) for d in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir)]
+    waits = [int(n) for b in body for n in re.findall(r"ttg\.async_wait .*\{num = (\d+)", b)]
+    found = {
+        "prologue_copies": sum(copy in b for b in before),
+        "loop_copies": sum(copy in b for b in body),
+        "rings": sorted(rings),
+        "loop_wait_num": waits,
+        "loop_async_wgmma": sum("ttng.warp_group_dot " in b and "isAsync = true" in b for b in body),
+        "shared_bytes": c.metadata.shared,
+        "ptx_cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
+        "ptx_cp_async_wait_group": ptx.count("cp.async.wait_group"),
+        "ptx_wgmma": ptx.count("wgmma.mma_async"),
+        "ptx_wgmma_wait_group": ptx.count("wgmma.wait_group"),
+    }
+    found["ok"] = (
+        found["prologue_copies"] > 0
+        and found["loop_copies"] > 0
+        and bool(rings)
+        and min(rings) >= 2
+        and found["loop_async_wgmma"] > 0
+    )
+    return found
+
+
+def _pipeline_text(p: dict) -> str:
+    return (
+        f"{'pipelined' if p['ok'] else 'NOT pipelined'}: cp.async prologue {p['prologue_copies']}, "
+        f"loop {p['loop_copies']}, rings {'/'.join(map(str, p['rings']))}, loop wait {p['loop_wait_num']}, "
+        f"async wgmma {p['loop_async_wgmma']}, smem {p['shared_bytes']} B; PTX cp.async {p['ptx_cp_async']}, "
+        f"wait_group {p['ptx_cp_async_wait_group']}, wgmma {p['ptx_wgmma']}, wgmma.wait {p['ptx_wgmma_wait_group']}"
+    )
+
+
+def _sm90_row(c, name: str) -> dict:
+    """The SASS, register and pipelining checks of an sm_90 kernel."""
+    sass = _cuobjdump(c.asm["cubin"], "-sass")
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    body = _inner_loop(sass)
+    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "HMUL2")}
+    pipe = _pipeline(c)
+    found = (
+        f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
+        f"PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
+    )
+    return {
+        "kernel": name,
+        "target": "sm_90",
+        "ok": count["HGMMA"] > 0 and count["STS"] == 0 and pipe["ok"],
+        "found": found,
+        "pipeline": pipe,
+        "regs": int(usage[1]),
+        "spills": int(usage[2]),
+    }
+
+
 def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
     c = _compile(
         upcast_grouped_kernel,
@@ -95,17 +180,7 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
         warps=8 if bm >= 128 else 4,
         stages=4,
     )
-    sass = _cuobjdump(c.asm["cubin"], "-sass")
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
-    body = _inner_loop(sass)
-    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "HMUL2")}
-    ok = count["HGMMA"] > 0 and count["STS"] == 0
-    name = f"upcast {w_fmt} BM={bm} BLOCKS={blocks} FOLD={fold}"
-    found = (
-        f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
-        f"PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
-    )
-    return {"kernel": name, "target": "sm_90", "ok": ok, "found": found, "regs": int(usage[1]), "spills": int(usage[2])}
+    return _sm90_row(c, f"upcast {w_fmt} BM={bm} BLOCKS={blocks} FOLD={fold}")
 
 
 _MMA = {"cuda": re.compile(r"tcgen05\.mma[.\w:]*block_scale[.\w:]*"), "hip": re.compile(r"v_mfma_scale_f32_\w+")}
@@ -133,21 +208,30 @@ def _scaled(arch: str, a_fmt: str, w_fmt: str) -> dict:
 
 def _wgrad(arch: str, dy_fmt: str, x_fmt: str) -> dict:
     target = TARGETS[arch]
+    operand = "*bf16" if dy_fmt == "bf16" else "*u8"
     c = _compile(
         wgrad_grouped_kernel,
-        {"DY": "*u8", "DYS": "*u8", "X": "*u8", "XS": "*u8", "Out": "*fp32", "PEnds": "*i32"},
+        {"DY": operand, "DYS": operand, "X": operand, "XS": operand, "Out": "*fp32", "PEnds": "*i32"},
         dict(BN=128, BK=128, BT=64, DY_FMT=dy_fmt, X_FMT=x_fmt, ACCUMULATE=True, NUM_PROGS=148, INTERP=False),
         target,
         warps=8,
         stages=3,
     )
-    return _scaled_row(c, target, f"wgrad {dy_fmt} x {x_fmt}", arch)
+    name = f"wgrad {dy_fmt} x {x_fmt}"
+    return _sm90_row(c, name) if arch == "sm_90" else _scaled_row(c, target, name, arch)
 
 
 def _scaled_row(c, target: GPUTarget, name: str, arch: str) -> dict:
     text = c.asm["ptx"] if target.backend == "cuda" else c.asm["amdgcn"]
     found = sorted(set(_MMA[target.backend].findall(text)))
-    return {"kernel": name, "target": arch, "ok": bool(found), "found": ", ".join(found) or "none", "regs": None}
+    return {
+        "kernel": name,
+        "target": arch,
+        "ok": bool(found),
+        "found": ", ".join(found) or "none",
+        "pipeline": None,
+        "regs": None,
+    }
 
 
 def main() -> None:
@@ -160,6 +244,7 @@ def main() -> None:
         _upcast("e4m3", True, 16, 4),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
+        _wgrad("sm_90", "bf16", "bf16"),
     ]
     for arch in ("sm_100", "gfx950"):
         rows += [_scaled(arch, "e4m3", "e4m3"), _scaled(arch, "e5m2", "e4m3"), _scaled(arch, "e4m3", "e2m1")]
@@ -168,11 +253,12 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "triton_mx_compile.json").write_text(json.dumps({"triton": triton.__version__, "rows": rows}))
     print(f"Triton {triton.__version__}")
-    print("| kernel | target | ok | found | registers / stack bytes |")
-    print("|---|---|---|---|---|")
+    print("| kernel | target | ok | found | contraction loop | registers / stack bytes |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         regs = f"{r['regs']} / stack {r['spills']}" if r["regs"] is not None else ""
-        print(f"| {r['kernel']} | {r['target']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {regs} |")
+        pipe = _pipeline_text(r["pipeline"]) if r["pipeline"] else ""
+        print(f"| {r['kernel']} | {r['target']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {pipe} | {regs} |")
     if not all(r["ok"] for r in rows):
         sys.exit(1)
 

@@ -105,8 +105,12 @@ def test_skewed_splits_and_even_contraction(path, gen):
 
 @needs_interpreter
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("splits", [*CPU_SPLITS.values(), [33, 0, 1, 64]], ids=[*CPU_SPLITS, "straddling"])
+@pytest.mark.parametrize(
+    "splits", [*CPU_SPLITS.values(), [33, 0, 1, 64], [40, 0, 150]], ids=[*CPU_SPLITS, "straddling", "several_steps"]
+)
 def test_wgrad_matches_reference(splits, path, gen):
+    """``several_steps``: a group of 150 tokens (160 padded) starting at token 64 takes three
+    64-token contraction steps in the interpreter, the last one partly masked."""
     with emulated(PATHS[path]):
         _check_against_reference("wgrad", "mxfp4", splits, n=64, k=96, gen=gen)
 

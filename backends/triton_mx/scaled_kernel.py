@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
@@ -152,54 +153,8 @@ def scaled_grouped_kernel(
         w_cols = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wn
         ws_rows = WS + g.to(tl.int64) * stride_sg + rn.to(tl.int64) * stride_sn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if INTERP:
-            k = 0
-            while k < k_red:
-                acc = _step(
-                    acc,
-                    k,
-                    A,
-                    rows64,
-                    stride_am,
-                    AS,
-                    stride_asm,
-                    w_cols,
-                    stride_wk,
-                    ws_rows,
-                    stride_sk,
-                    m_ok,
-                    n_ok,
-                    k_red,
-                    BK,
-                    A_FMT,
-                    W_FMT,
-                    EVEN_K,
-                    INTERP,
-                )
-                k += BK
-        else:
-            for k in range(0, k_red, BK):
-                acc = _step(
-                    acc,
-                    k,
-                    A,
-                    rows64,
-                    stride_am,
-                    AS,
-                    stride_asm,
-                    w_cols,
-                    stride_wk,
-                    ws_rows,
-                    stride_sk,
-                    m_ok,
-                    n_ok,
-                    k_red,
-                    BK,
-                    A_FMT,
-                    W_FMT,
-                    EVEN_K,
-                    INTERP,
-                )
+        tile = (A, rows64, stride_am, AS, stride_asm, w_cols, stride_wk, ws_rows, stride_sk, m_ok, n_ok, k_red)
+        acc = contract(_step, acc, 0, k_red, BK, tile, (BK, A_FMT, W_FMT, EVEN_K, INTERP), INTERP)
         out = Out + rows64[:, None] * stride_om + rn[None, :]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         t += NUM_PROGS

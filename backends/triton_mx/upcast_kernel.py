@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import (
     bf16_dot,
     e2m1_words_to_bf16,
@@ -145,48 +146,8 @@ def upcast_grouped_kernel(
         w_rows = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wn
         s_rows = S + g.to(tl.int64) * stride_sg + rn
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        if INTERP:
-            k = 0
-            while k < k_red:
-                acc = _step(
-                    acc,
-                    k,
-                    a_rows,
-                    w_rows,
-                    stride_wr,
-                    s_rows,
-                    stride_sk,
-                    m_ok,
-                    n_ok,
-                    k_red,
-                    BLOCKS,
-                    EVEN_K,
-                    PTX,
-                    FOLD,
-                    W_FMT,
-                    INTERP,
-                )
-                k += BK
-        else:
-            for k in range(0, k_red, BK):
-                acc = _step(
-                    acc,
-                    k,
-                    a_rows,
-                    w_rows,
-                    stride_wr,
-                    s_rows,
-                    stride_sk,
-                    m_ok,
-                    n_ok,
-                    k_red,
-                    BLOCKS,
-                    EVEN_K,
-                    PTX,
-                    FOLD,
-                    W_FMT,
-                    INTERP,
-                )
+        tile = (a_rows, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
+        acc = contract(_step, acc, 0, k_red, BK, tile, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, INTERP), INTERP)
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
         t += NUM_PROGS

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import bf16_dot
 from grouped_gemm.backends.triton_mx.scaled_kernel import emulated_dot_scaled
 
@@ -110,54 +111,8 @@ def wgrad_grouped_kernel(
         first = tl.load(PEnds + g - 1, mask=g > 0, other=0)
         last = tl.load(PEnds + g)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        if INTERP:
-            t0 = first
-            while t0 < last:
-                acc = _step(
-                    acc,
-                    t0,
-                    last,
-                    DY,
-                    stride_dym,
-                    DYS,
-                    stride_dysm,
-                    X,
-                    stride_xm,
-                    XS,
-                    stride_xsm,
-                    rn,
-                    rk,
-                    n_ok,
-                    k_ok,
-                    BT,
-                    DY_FMT,
-                    X_FMT,
-                    INTERP,
-                )
-                t0 += BT
-        else:
-            for t0 in range(first, last, BT):
-                acc = _step(
-                    acc,
-                    t0,
-                    last,
-                    DY,
-                    stride_dym,
-                    DYS,
-                    stride_dysm,
-                    X,
-                    stride_xm,
-                    XS,
-                    stride_xsm,
-                    rn,
-                    rk,
-                    n_ok,
-                    k_ok,
-                    BT,
-                    DY_FMT,
-                    X_FMT,
-                    INTERP,
-                )
+        tile = (last, DY, stride_dym, DYS, stride_dysm, X, stride_xm, XS, stride_xsm, rn, rk, n_ok, k_ok)
+        acc = contract(_step, acc, first, last, BT, tile, (BT, DY_FMT, X_FMT, INTERP), INTERP)
         out = Out + g.to(tl.int64) * stride_og + rn.to(tl.int64)[:, None] * stride_on + rk[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
         if ACCUMULATE:
