@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 
-from grouped_gemm.mx.triton_kernels import _block_amax, _encode, _scale_exponent, _widen
+from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, widen
 
 
 @triton.jit
@@ -150,11 +150,11 @@ def quantize_decode_kernel(
     blk = col_tile * (BC // 32) + tl.arange(0, BC // 32)
     c = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     row_ok = (r < rows)[:, None, None]
-    x = _widen(tl.load(X + r64 * stride_x + c, mask=row_ok & (c < cols), other=0), BF16_BITS)
-    amax = _block_amax(x, 2, -1)
-    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    x = widen(tl.load(X + r64 * stride_x + c, mask=row_ok & (c < cols), other=0), BF16_BITS)
+    amax = block_amax(x, 2, -1)
+    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     scale = e8m0_to_fp32(tl.where(amax >= 0x7F800000, 255, exp + 127))
     values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
     tl.store(Out + r64 * stride_o + c, values.to(Out.dtype.element_ty), mask=row_ok & (c < cols))

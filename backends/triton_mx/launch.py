@@ -256,7 +256,7 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
             BR=tile.br,
             BC=tile.bc,
             num_warps=tile.warps,
-            **triton_quantizer._format_args(src, FORMATS[fmt], scale_rule),  # the quantizer's own constants
+            **triton_quantizer.format_args(src, FORMATS[fmt], scale_rule),  # the quantizer's own constants
         )
     return out
 

@@ -171,7 +171,7 @@ def quantize_upcast_weight(
             *strides,
             ROWS=rows_per,
             num_warps=warps,
-            **triton_quantizer._format_args(x, FORMATS[fmt], scale_rule),  # the quantizer's own constants
+            **triton_quantizer.format_args(x, FORMATS[fmt], scale_rule),  # the quantizer's own constants
         )
     return lay
 

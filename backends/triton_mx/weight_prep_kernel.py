@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from grouped_gemm.mx.triton_kernels import _block_amax, _encode, _scale_exponent, _widen
+from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, widen
 
 
 @triton.jit
@@ -94,15 +94,15 @@ def quantize_upcast_kernel(
     c = run * 128 + tl.arange(0, 128)
     ptrs = w_ptr + g * sw_g + row[:, None].to(tl.int64) * sw_row + c[None, :].to(tl.int64) * sw_k
     raw = tl.load(ptrs, mask=row_ok[:, None] & (c < k_red)[None, :], other=0)
-    x = tl.reshape(_widen(raw, BF16_BITS), (ROWS, 4, 32))
+    x = tl.reshape(widen(raw, BF16_BITS), (ROWS, 4, 32))
     # The quantizer's steps (quantize_last): amax bits -> E8M0 exponent -> power-of-two
     # reciprocal -> nearest-even codes; a block holding NaN / Inf gets byte 255, codes 0.
     # Blocks past k_red read zeros: scale byte 0 and zero codes, the layout's padding.
-    amax = _block_amax(x, 2, -1)
-    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    amax = block_amax(x, 2, -1)
+    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
     nonfinite = amax >= 0x7F800000
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     code = tl.where(nonfinite[:, :, None], 0, code)
     words = _words(tl.reshape(code, (ROWS, 128)), ROWS, NBITS == 8)
     scale_bytes = tl.where(nonfinite, 255, exp + 127)

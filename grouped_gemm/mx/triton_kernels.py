@@ -2,7 +2,7 @@
 
 Every rule is written on integer fp32 bits, exactly as in ``torch_quantizer`` (see there
 for the rules); elements round to nearest even by one fp32 addition (or the hardware
-fp8 conversion, see ``_encode``):
+fp8 conversion, see ``encode``):
 
 - ``quantize_last``: blocks along a contiguous last axis; a tile is ``(rows, blocks, B)``
   (E2M1: ``(blocks, rows, B / 8, 8)``).
@@ -11,6 +11,11 @@ fp8 conversion, see ``_encode``):
   (``TILE_BLOCKS`` blocks of ``B`` rows). It can read its rows through
   a row map (-1 = a zero row): the grouped helpers use that to pad each group's rows to a
   multiple of 32 without materializing a padded copy.
+
+The jit helpers ``widen``, ``block_amax``, ``scale_exponent`` and ``encode`` are public:
+kernels that quantize on the way to another layout (the Triton backends' weight
+preparation and quantize-and-decode passes) call them, so their results match this
+quantizer bit for bit by construction.
 """
 
 import triton
@@ -18,7 +23,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _scale_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr):
+def scale_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr):
     """Unbiased E8M0 exponent from fp32 amax bits (see torch_quantizer.scale_exponent)."""
     e_field = amax >> 23
     if RULE == 0:  # floor
@@ -35,7 +40,7 @@ def _scale_exponent(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.c
 
 
 @triton.jit
-def _widen(raw, BF16_BITS: tl.constexpr):
+def widen(raw, BF16_BITS: tl.constexpr):
     """Loaded input -> fp32. bf16 arrives as its int16 bits and widens by a shift (exact
     for subnormals too, which Triton's interpreter flushes when it converts bf16)."""
     if BF16_BITS:
@@ -46,7 +51,7 @@ def _widen(raw, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def _encode(
+def encode(
     v, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr, NBITS: tl.constexpr, NATIVE: tl.constexpr
 ):
     """fp32 values -> element codes (int32, sign in bit NBITS - 1), nearest even, saturating.
@@ -76,7 +81,7 @@ def _encode(
 
 
 @triton.jit
-def _block_amax(x, AXIS: tl.constexpr, AXIS2: tl.constexpr):
+def block_amax(x, AXIS: tl.constexpr, AXIS2: tl.constexpr):
     """Largest magnitude bits over axes ``AXIS`` and then ``AXIS2`` (-1: none)."""
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
     if AXIS2 >= 0:
@@ -122,12 +127,12 @@ def quantize_last(
         r = r1[None, :, None, None]
         k = tl.arange(0, BLOCK // CHUNK)[None, None, :, None]
         c = b * BLOCK + k * CHUNK + tl.arange(0, CHUNK)[None, None, None, :]
-        x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-        amax = _block_amax(x, 3, 2)
-        exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+        x = widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+        amax = block_amax(x, 3, 2)
+        exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
         nonfinite = amax >= 0x7F800000
         inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-        code = _encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         lo, hi = tl.split(tl.reshape(code, (TILE_BLOCKS, TILE_ROWS, BLOCK // CHUNK, CHUNK // 2, 2)))
         packed = tl.where(nonfinite[:, :, None, None], 0, lo | (hi << 4))  # once per packed byte
         p = b * (BLOCK // 2) + k * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, None, None, :]
@@ -138,12 +143,12 @@ def quantize_last(
         r = r1[:, None, None]
         b = b1[None, :, None]
         c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
-        x = _widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-        amax = _block_amax(x, 2, -1)
-        exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+        x = widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
+        amax = block_amax(x, 2, -1)
+        exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
         nonfinite = amax >= 0x7F800000
         inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-        code = _encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         code = tl.where(nonfinite[:, :, None], 0, code)
         tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
         r2 = r1[:, None]
@@ -165,7 +170,7 @@ def _load_rows(x_ptr, map_ptr, o, row, i, length, padded, inner, HAS_MAP: tl.con
     else:
         src = row.to(tl.int64)
         ok = (row < length) & (i < inner)
-    return _widen(tl.load(x_ptr + (o * length + src) * inner + i, mask=ok, other=0), BF16_BITS)
+    return widen(tl.load(x_ptr + (o * length + src) * inner + i, mask=ok, other=0), BF16_BITS)
 
 
 @triton.jit
@@ -212,17 +217,17 @@ def quantize_strided(
     m = tl.arange(0, ROW_THREADS)[:, None, None, None] * ROW_REGS + tl.arange(0, ROW_REGS)[None, None, :, None]
     j = b1[None, :, None, None] * BLOCK + m * PER
     x0 = _load_rows(x_ptr, map_ptr, o, j, i, length, padded, inner, HAS_MAP, BF16_BITS)
-    amax = _block_amax(x0, 2, -1)  # registers first, then one shuffle tree for both halves
+    amax = block_amax(x0, 2, -1)  # registers first, then one shuffle tree for both halves
     if NBITS == 4:
         x1 = _load_rows(x_ptr, map_ptr, o, j + 1, i, length, padded, inner, HAS_MAP, BF16_BITS)
-        amax = tl.maximum(amax, _block_amax(x1, 2, -1))
+        amax = tl.maximum(amax, block_amax(x1, 2, -1))
     amax = tl.max(amax, axis=0)
-    exp = _scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
     nonfinite = (amax >= 0x7F800000)[None, :, None, :]
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[None, :, None, :]
-    code = _encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     if NBITS == 4:
-        code = code | (_encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE) << 4)
+        code = code | (encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE) << 4)
     code = tl.where(nonfinite, 0, code)  # once per packed byte
     nblocks = padded // BLOCK
     b2 = b1[:, None]

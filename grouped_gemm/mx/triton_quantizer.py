@@ -45,7 +45,7 @@ def _native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
+def format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
     return {
         "BF16_BITS": x.dtype == torch.int16,
         "NATIVE": fmt.bits == 8 and _native_fp8(x.device),
@@ -97,7 +97,7 @@ def _launch_last(
         TILE_ROWS=tile_rows,
         TILE_BLOCKS=tile_blocks,
         num_warps=warps,
-        **_format_args(x, fmt, rule),
+        **format_args(x, fmt, rule),
     )
 
 
@@ -144,7 +144,7 @@ def _launch_strided(
         TILE_INNER=tile_inner,
         ROW_THREADS=row_threads,
         num_warps=warps,
-        **_format_args(x, fmt, rule),
+        **format_args(x, fmt, rule),
     )
 
 
