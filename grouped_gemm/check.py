@@ -26,48 +26,7 @@ from grouped_gemm.bench import mx_weights
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.device import torch_device
 from grouped_gemm.errors import InvalidArgumentError
-
-# --- What "correct" means -------------------------------------------------------------
-# Same function (identical inputs, only accumulation order differs), fp32 output: 60 dB
-# (DESIGN.md section 8). A bf16 / fp16 output is the exact result rounded to nearest with
-# p significand bits (8 / 11), a relative error of at most 2^-p per element, so rounding
-# alone can bring the SQNR down to 20 p log10(2): 48.2 dB for bf16, 66.2 dB for fp16.
-# The floor is that bound less 3 dB of accumulation-order noise, capped at 60 dB:
-# bf16 45.2 dB, fp16 60 dB, fp32 60 dB.
-SAME_FUNCTION_DB = 60.0
-ROUNDING_MARGIN_DB = 3.0
-_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
-# A recipe against the unquantized float64 result on random normal data (DESIGN.md
-# section 8): MXFP8 25 dB, any recipe with e2m1 weights 12 dB.
-RECIPE_VS_UNQUANTIZED_DB = {"mxfp8": 25.0, "mxfp4": 12.0, "a8w4": 12.0, "a16w4": 12.0}
-
-
-def output_floor_db(out_dtype: str) -> float:
-    """The same-function floor for an output dtype (see the rules above)."""
-    bits = _SIGNIFICAND_BITS[out_dtype]
-    return min(SAME_FUNCTION_DB, 20.0 * bits * math.log10(2.0) - ROUNDING_MARGIN_DB)
-
-
-def sqnr_floor(out_dtype: str, recipe: str, same_function: bool) -> float:
-    """The SQNR a correct result must reach: the output floor for the same function, else
-    (an MX recipe against unquantized inputs) the recipe's floor."""
-    floor = output_floor_db(out_dtype)
-    if same_function:
-        return floor
-    return min(floor, RECIPE_VS_UNQUANTIZED_DB.get(recipe, floor))
-
-
-def same_function(recipe: str, op: str, prequantized_weight: bool) -> bool:
-    """Whether a float64 product of the operands as passed computes what the backend does:
-    true unless the backend still quantizes an operand (plain recipes; MX weights passed
-    pre-quantized with the other operand in a format the recipe keeps high-precision)."""
-    r = gg.get_recipe(recipe)
-    if not r.is_mx:
-        return True
-    if op == "wgrad":
-        return r.grad_format is None and r.act_format is None
-    return prequantized_weight and (r.act_format if op == "fwd" else r.grad_format) is None
-
+from grouped_gemm.testing import RECIPE_VS_UNQUANTIZED_DB, output_floor_db, same_function, sqnr_floor
 
 # --- The problems ---------------------------------------------------------------------
 

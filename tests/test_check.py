@@ -8,17 +8,17 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm import check
+from grouped_gemm import check, testing
 from grouped_gemm.cli import main
 
 
 def test_floors_follow_output_rounding():
-    assert check.output_floor_db("float32") == 60.0
-    assert check.output_floor_db("float16") == 60.0
-    assert check.output_floor_db("bfloat16") == pytest.approx(20 * 8 * math.log10(2) - 3)  # 45.2 dB
-    assert check.sqnr_floor("bfloat16", "mxfp8", same_function=True) == pytest.approx(45.16, abs=0.01)
-    assert check.sqnr_floor("float32", "mxfp8", same_function=False) == 25.0
-    assert check.sqnr_floor("bfloat16", "a16w4", same_function=False) == 12.0
+    assert testing.output_floor_db("float32") == 60.0
+    assert testing.output_floor_db("float16") == 60.0
+    assert testing.output_floor_db("bfloat16") == pytest.approx(20 * 8 * math.log10(2) - 3)  # 45.2 dB
+    assert testing.sqnr_floor("bfloat16", "mxfp8", same_function=True) == pytest.approx(45.16, abs=0.01)
+    assert testing.sqnr_floor("float32", "mxfp8", same_function=False) == 25.0
+    assert testing.sqnr_floor("bfloat16", "a16w4", same_function=False) == 12.0
 
 
 @pytest.mark.parametrize(("dtype", "bits"), [(torch.bfloat16, 8), (torch.float16, 11)])
@@ -26,7 +26,7 @@ def test_rounding_alone_stays_above_the_bound_the_floor_is_built_on(dtype, bits,
     exact = torch.randn(4096, dtype=torch.float64, generator=gen) * torch.logspace(-3, 3, 4096, dtype=torch.float64)
     rounded = exact.to(dtype)
     sqnr = gg.testing.sqnr_db(rounded, exact)
-    assert sqnr >= 20 * bits * math.log10(2) >= check.output_floor_db(str(dtype).removeprefix("torch."))
+    assert sqnr >= 20 * bits * math.log10(2) >= testing.output_floor_db(str(dtype).removeprefix("torch."))
 
 
 def test_scenarios_cover_the_edge_cases():

@@ -151,7 +151,7 @@ def test_small_scales_only_for_cached_prequantized_weights(gen):
     [
         ("mxfp4", "triton_mxfp4", "e2m1", 15),
         ("a16w4", "triton_mxfp4", "e2m1", 17.5),
-        ("mxfp8", "triton_mxfp8", "e4m3", 25),  # check.RECIPE_VS_UNQUANTIZED_DB
+        ("mxfp8", "triton_mxfp8", "e4m3", 25),  # testing.RECIPE_VS_UNQUANTIZED_DB
     ],
 )
 def test_fresh_weights_equal_prequantized_weights_end_to_end(recipe, backend, fmt, floor_db, gen):

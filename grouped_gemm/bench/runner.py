@@ -22,8 +22,8 @@ from grouped_gemm.bench.operands import DTYPES, OperandSets, make_operands
 from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.shapes import Case
 from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
-from grouped_gemm.check import same_function, sqnr_floor
 from grouped_gemm.problem import Op, Problem
+from grouped_gemm.testing import same_function, sqnr_floor
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
