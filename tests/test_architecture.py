@@ -13,11 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
-pytest.importorskip("importlinter")
 
 
 def test_import_contracts_hold(tmp_path):
