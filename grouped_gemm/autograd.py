@@ -1,6 +1,6 @@
 """Autograd for grouped GEMMs, in eager mode and under ``torch.compile``.
 
-Two routes share the helpers in ``linear_math``:
+Two routes share one forward and one backward (``grouped_gemm.linear``):
 
 - ``GroupedLinearFunction`` (eager): a ``torch.autograd.Function`` that can hold what a
   custom op cannot carry: the weight parameters themselves (for ``main_grad`` and
@@ -33,23 +33,12 @@ from typing import Any
 
 import torch
 
-from grouped_gemm import api
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.linear_math import (
-    Splits,
-    Weights,
-    bias_grad,
-    forward_gemm,
-    fused_grad_placeholder,
-    main_grads,
-    op_recipe,
-    recipe_from_key,
-    split_args,
-    weight_grads,
-    weight_operand,
-)
+from grouped_gemm.linear import ApiGemms, Splits, Weights, forward_gemm, linear_backward, split_args, weight_operand
+from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
 from grouped_gemm.mx import MXTensor
+from grouped_gemm.recipe_codec import op_recipe, recipe_from_key
 from grouped_gemm.recipes import Recipe
 from grouped_gemm.validation import check_bias, snapshot_splits
 
@@ -112,22 +101,21 @@ class GroupedLinearFunction(torch.autograd.Function):
     def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, *weights = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
-        dy = dy.contiguous()
-        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fused = plan.fuse_wgrad_accumulation
         need_w = any(ctx.needs_input_grad[4:])
-        dx = dbias = None
-        dws: list[torch.Tensor | None] = [None] * len(weights)
-        if need_x:
-            dx = api.grouped_gemm_dgrad(dy, plan.weight("dgrad", weights), plan.m_splits, recipe=plan.recipe)
-        if plan.fuse_wgrad_accumulation and need_w:
-            bufs = main_grads(ctx.params)
-            target = bufs[0] if len(bufs) == 1 and bufs[0].dim() == 3 else bufs
-            api.grouped_gemm_wgrad(dy, x, plan.m_splits, recipe=plan.recipe, out=target, accumulate=True)
+        gemms = ApiGemms(plan.m_splits, plan.recipe, plan.weight("dgrad", weights), ctx.bias_dtype)
+        dx, dws, dbias = linear_backward(
+            gemms,
+            dy,
+            x,
+            weights,
+            need_x=ctx.needs_input_grad[0],
+            need_w=need_w,
+            need_bias=ctx.needs_input_grad[1],
+            main_grad=main_grads(ctx.params) if fused and need_w else None,
+        )
+        if fused and need_w:
             dws = [fused_grad_placeholder(p) for p in ctx.params]
-        elif need_w:
-            dws = weight_grads(api.grouped_gemm_wgrad(dy, x, plan.m_splits, recipe=plan.recipe), weights)
-        if need_bias:
-            dbias = bias_grad(dy, plan.m_splits, ctx.bias_dtype)
         return (dx, dbias, None, None, *dws)
 
 

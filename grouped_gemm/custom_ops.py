@@ -7,20 +7,16 @@ backward trace too. At run time each op dispatches its real problem through the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.linear_math import (
-    bias_grad,
-    forward_gemm,
-    recipe_from_key,
-    splits_from_args,
-    weight_grads,
-    weight_operand,
-)
+from grouped_gemm.linear import bias_grad, forward_gemm, linear_backward, splits_from_args, weight_grads, weight_operand
+from grouped_gemm.main_grad import accumulate_wgrad
+from grouped_gemm.recipe_codec import recipe_from_key
 
 _SPLITS = "SymInt[]? splits, Tensor? splits_tensor, str recipe"
 
@@ -85,10 +81,7 @@ def _wgrad_accumulate_impl(
     recipe: str,
     main_grad: list[torch.Tensor],
 ) -> None:
-    target = main_grad[0] if len(main_grad) == 1 and main_grad[0].dim() == 3 else list(main_grad)
-    api.grouped_gemm_wgrad(
-        dy, x, splits_from_args(splits, splits_tensor), recipe=recipe_from_key(recipe), out=target, accumulate=True
-    )
+    accumulate_wgrad(dy, x, splits_from_args(splits, splits_tensor), recipe_from_key(recipe), main_grad)
 
 
 wgrad_accumulate_op = torch.library.custom_op(
@@ -172,21 +165,42 @@ def _fwd_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.fused = main_grad is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class _OpGemms:
+    """``linear.BackwardGemms`` as the custom ops, so that the backward traces."""
+
+    w: Sequence[torch.Tensor]
+    splits: Sequence[int] | None
+    splits_tensor: torch.Tensor | None
+    recipe: str
+
+    def dgrad(self, dy: torch.Tensor) -> torch.Tensor:
+        return dgrad_op(dy, self.w, self.splits, self.splits_tensor, self.recipe)
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return wgrad_op(dy, x, self.splits, self.splits_tensor, self.recipe)
+
+    def wgrad_accumulate(self, dy: torch.Tensor, x: torch.Tensor, bufs: Sequence[torch.Tensor]) -> None:
+        wgrad_accumulate_op(dy, x, self.splits, self.splits_tensor, self.recipe, bufs)
+
+    def bias_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return bias_grad_op(dy, self.splits, self.splits_tensor)
+
+
 def _fwd_backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     x, splits_tensor, *rest = ctx.saved_tensors
     w, bufs = rest[: ctx.n_w], rest[ctx.n_w :]
     need_x, need_w, need_bias = ctx.needs_input_grad[:3]
-    dy = dy.contiguous()
-    dx = dbias = None
-    dw: list[torch.Tensor | None] = [None] * len(w)
-    if need_x:
-        dx = dgrad_op(dy, w, ctx.splits, splits_tensor, ctx.recipe)
-    if ctx.fused:
-        wgrad_accumulate_op(dy, x, ctx.splits, splits_tensor, ctx.recipe, bufs)
-    elif any(need_w):
-        dw = weight_grads(wgrad_op(dy, x, ctx.splits, splits_tensor, ctx.recipe), w)
-    if need_bias:
-        dbias = bias_grad_op(dy, ctx.splits, splits_tensor)
+    dx, dw, dbias = linear_backward(
+        _OpGemms(w, ctx.splits, splits_tensor, ctx.recipe),
+        dy,
+        x,
+        w,
+        need_x=need_x,
+        need_w=any(need_w),
+        need_bias=need_bias,
+        main_grad=bufs if ctx.fused else None,
+    )
     return dx, dw, dbias, None, None, None, [None] * len(bufs) if ctx.fused else None
 
 

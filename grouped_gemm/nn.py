@@ -15,8 +15,8 @@ import torch
 
 from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
-from grouped_gemm.linear_math import recipe_key
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
+from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.vocabulary import dtype_name
 
@@ -91,7 +91,7 @@ class GroupedLinear(torch.nn.Module):
     ``fuse_wgrad_accumulation``: backward adds the weight gradient into each weight's
     ``main_grad`` (which the caller allocates, as Megatron-LM's DDP does) instead of
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
-    ``grouped_gemm.linear_math.fused_grad_placeholder``).
+    ``grouped_gemm.main_grad.fused_grad_placeholder``).
 
     With an MX recipe every call quantizes the master weights (forward along K, dgrad along
     N from the weight saved by forward), so optimizer updates are always seen, also when a

@@ -28,7 +28,8 @@ import torch
 
 from grouped_gemm import backend
 from grouped_gemm.custom_ops import dgrad_op, fwd_op
-from grouped_gemm.linear_math import op_recipe, split_args
+from grouped_gemm.linear import split_args
+from grouped_gemm.recipe_codec import op_recipe
 from grouped_gemm.recipes import Recipe
 
 __all__ = ["backend", "gmm"]

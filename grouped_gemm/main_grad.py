@@ -1,0 +1,66 @@
+"""Megatron-LM's ``main_grad`` convention for fused weight-gradient accumulation.
+
+With ``fuse_wgrad_accumulation`` each weight carries a ``main_grad`` buffer (fp32 in
+Megatron) that wgrad adds into, instead of returning a gradient; the weight's ``.grad``
+then receives a placeholder (``fused_grad_placeholder``) so Megatron's hooks know the
+gradient is already in ``main_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grouped_gemm import api
+from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.recipes import Recipe
+
+_placeholders: dict[tuple, torch.Tensor] = {}
+
+
+def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
+    """What a weight's ``.grad`` receives when its gradient went into ``main_grad``.
+
+    Megatron-LM's convention (also TransformerEngine's): a parameter that has the
+    attribute ``grad_added_to_main_grad`` gets it set to True and receives a dummy
+    gradient (zeroed when it has ``zero_out_wgrad``), so Megatron's grad hooks still
+    fire and know not to add it again; any other parameter receives ``None``. The
+    dummy is one cached buffer per (shape, dtype, device), never read.
+    """
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    key = (tuple(param.shape), param.dtype, param.device)
+    dummy = _placeholders.get(key)
+    if dummy is None:
+        dummy = _placeholders[key] = torch.empty(key[0], dtype=param.dtype, device=param.device)
+    if getattr(param, "zero_out_wgrad", False):
+        dummy.zero_()
+    return dummy.detach()
+
+
+def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each weight's ``main_grad`` buffer, checked (fused wgrad accumulation adds into them)."""
+    found = []
+    for i, w in enumerate(weights):
+        name = "weight.main_grad" if len(weights) == 1 else f"weight{i}.main_grad"
+        buf = getattr(w, "main_grad", None)
+        if not isinstance(buf, torch.Tensor):
+            raise InvalidArgumentError(
+                name, buf, "a tensor of the weight's shape (fuse_wgrad_accumulation adds wgrad into it)"
+            )
+        if buf.shape != w.shape or buf.device != w.device:
+            raise InvalidArgumentError(name, buf, f"shape {tuple(w.shape)} on {w.device}, like the weight")
+        found.append(buf)
+    return found
+
+
+def accumulate_wgrad(
+    dy: torch.Tensor, x: torch.Tensor, m_splits: Any, recipe: Recipe, bufs: Sequence[torch.Tensor]
+) -> None:
+    """``main_grad[g] += dy[rows of g].T @ x[rows of g]``: one dispatched wgrad into the
+    buffers, the stacked ``(G, N, K)`` one or G ``(N, K)`` ones."""
+    target = bufs[0] if len(bufs) == 1 and bufs[0].dim() == 3 else list(bufs)
+    api.grouped_gemm_wgrad(dy, x, m_splits, recipe=recipe, out=target, accumulate=True)
