@@ -16,7 +16,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def test_import_contracts_hold(tmp_path):
     skip = shutil.ignore_patterns("__pycache__", "csrc")
     shutil.copytree(ROOT / "grouped_gemm", tmp_path / "grouped_gemm", ignore=skip)
