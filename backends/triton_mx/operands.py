@@ -4,7 +4,7 @@ contraction (fwd / dgrad) or along the tokens (wgrad). The Hopper upcast path ta
 weight in its own layout (``upcast_weight``): high-precision weights are quantized
 straight into it, with no ``MXTensor`` in between.
 
-Which format goes where (DESIGN section 2, recipes.py):
+Which format goes where (docs/mx_formats.md "Recipes and operands", recipes.py):
 
 ==========  ==================  =======================  ========================
 recipe      fwd x (along K)     dgrad dy (along N)       w (fwd: along K; dgrad: N)

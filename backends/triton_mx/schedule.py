@@ -7,7 +7,7 @@ total. Tiles are numbered
 group by group; inside a group, output-column tiles are the outer index and row tiles the
 inner one, so programs running at the same time (consecutive tile numbers) share one
 weight slab through L2. Empty groups own no tiles and are never visited; their rows do
-not exist, so nothing is left unwritten (DESIGN section 2).
+not exist, so nothing is left unwritten.
 """
 
 from __future__ import annotations
