@@ -69,9 +69,24 @@ class FakeBackend(gg.Backend):
 
 
 @pytest.fixture
-def make_backend():
+def register():
+    """``register(backend)``: registers ``backend`` for this test and returns it; every
+    backend registered this way is unregistered when the test ends, pass or fail."""
+    names: list[str] = []
+
+    def add(backend: gg.Backend) -> gg.Backend:
+        gg.register_backend(backend)
+        names.append(backend.spec.name)
+        return backend
+
+    yield add
+    for name in reversed(names):
+        gg.unregister_backend(name)
+
+
+@pytest.fixture
+def make_backend(register):
     """Register fake fwd backends for one test: ``make_backend("a", priority=5, ...)``."""
-    made: list[str] = []
 
     def make(name: str, *, reasons: list[gg.Reason] | None = None, **fields) -> FakeBackend:
         defaults = dict(
@@ -80,11 +95,6 @@ def make_backend():
             recipes=frozenset({"fp32", "bf16"}),
             vendors=frozenset({"cpu", "cuda", "rocm"}),
         )
-        backend = FakeBackend(gg.BackendSpec(**{**defaults, **fields}), reasons)
-        gg.register_backend(backend)
-        made.append(name)
-        return backend
+        return register(FakeBackend(gg.BackendSpec(**{**defaults, **fields}), reasons))
 
-    yield make
-    for name in made:
-        gg.unregister_backend(name)
+    return make

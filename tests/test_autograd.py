@@ -152,11 +152,8 @@ class SpyBackend(ReferenceBackend):
 
 
 @pytest.fixture
-def spy():
-    backend = SpyBackend()
-    gg.register_backend(backend)
-    yield backend
-    gg.unregister_backend("spy_autograd")
+def spy(register):
+    return register(SpyBackend())
 
 
 def test_each_op_is_dispatched_for_its_own_problem(spy, gen):

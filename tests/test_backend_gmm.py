@@ -223,7 +223,7 @@ class _Recorder(ReferenceBackend):
 
 
 @pytest.mark.parametrize("trans_a,trans_b,op", [(False, True, "fwd"), (False, False, "dgrad"), (True, False, "wgrad")])
-def test_each_layout_is_one_dispatched_op_without_copies(trans_a, trans_b, op, gen):
+def test_each_layout_is_one_dispatched_op_without_copies(trans_a, trans_b, op, gen, register):
     sizes = SPLITS["variable"]
     a = torch.randn(sum(sizes), 16, generator=gen)
     if trans_a:
@@ -231,12 +231,8 @@ def test_each_layout_is_one_dispatched_op_without_copies(trans_a, trans_b, op, g
     else:
         b = torch.randn((4, 24, 16) if trans_b else (4, 16, 24), generator=gen)
         c = torch.empty(sum(sizes), 24)
-    spy = _Recorder()
-    gg.register_backend(spy)
-    try:
-        gg.backend.gmm(a, b, torch.tensor(sizes), trans_a=trans_a, trans_b=trans_b, c=c)
-    finally:
-        gg.unregister_backend("spy_backend_gmm")
+    spy = register(_Recorder())
+    gg.backend.gmm(a, b, torch.tensor(sizes), trans_a=trans_a, trans_b=trans_b, c=c)
     assert spy.calls == [(op, a.data_ptr(), b.data_ptr(), c.data_ptr())]
 
 

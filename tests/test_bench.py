@@ -226,13 +226,8 @@ class _Raises(gg.Backend):
 
 
 @pytest.fixture
-def bad_backends():
-    backends = [_Wrong(), _Raises()]
-    for b in backends:
-        gg.register_backend(b)
-    yield [b.spec.name for b in backends]
-    for b in backends:
-        gg.unregister_backend(b.spec.name)
+def bad_backends(register):
+    return [register(b).spec.name for b in (_Wrong(), _Raises())]
 
 
 def test_wrong_and_failing_backends_are_flagged_not_celebrated(tmp_path, capsys, bad_backends):
@@ -255,22 +250,10 @@ class _GpuOnly(_Raises):
     )
 
 
-def test_named_backend_that_is_not_eligible_is_reported(capsys):
-    gg.register_backend(_GpuOnly())
-    try:
-        argv = [
-            "--cases",
-            "qwen3_30b_down",
-            "--ops",
-            "fwd",
-            "--splits",
-            "balanced",
-            "--backends",
-            "bench_test_gpu_only",
-        ]
-        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet", "--device", "cpu")
-    finally:
-        gg.unregister_backend("bench_test_gpu_only")
+def test_named_backend_that_is_not_eligible_is_reported(capsys, register):
+    register(_GpuOnly())
+    argv = ["--cases", "qwen3_30b_down", "--ops", "fwd", "--splits", "balanced", "--backends", "bench_test_gpu_only"]
+    code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet", "--device", "cpu")
     assert code == 0
     assert "SKIPPED: bench_test_gpu_only" in out and "not eligible" in out and "[placement]" in out
 
@@ -368,22 +351,10 @@ class _WrongShape(_Raises):
         return inputs.a[:, :1].clone()
 
 
-def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys):
-    gg.register_backend(_WrongShape())
-    try:
-        argv = [
-            "--cases",
-            "mixtral_down",
-            "--ops",
-            "fwd",
-            "--splits",
-            "balanced",
-            "--backends",
-            "bench_test_wrong_shape",
-        ]
-        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet")
-    finally:
-        gg.unregister_backend("bench_test_wrong_shape")
+def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys, register):
+    register(_WrongShape())
+    argv = ["--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced", "--backends", "bench_test_wrong_shape"]
+    code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet")
     assert code == 1
     # The core checks run()'s result against the problem before bench sees it.
     assert "ERROR: bench_test_wrong_shape" in out and "run() returned shape (164, 1), expected (164, 64)" in out

@@ -90,12 +90,9 @@ class _Raising(_Broken):
 
 
 @pytest.fixture
-def broken():
+def broken(register):
     for b in (_Broken(), _Raising()):
-        gg.register_backend(b)
-    yield
-    for name in ("check_test_broken", "check_test_raising"):
-        gg.unregister_backend(name)
+        register(b)
 
 
 def test_wrong_backends_fail_with_their_sqnr_and_exit_code(capsys, broken):

@@ -63,7 +63,7 @@ def test_real_tensors_route_by_their_own_device_under_use_device(gen):
     assert gg.dispatch_stats()["selected"] == {here.selected: 1}
 
 
-def test_emulated_routes_real_tensors_as_the_chip_and_restores(gen):
+def test_emulated_routes_real_tensors_as_the_chip_and_restores(gen, register):
     x, w = torch.randn(4, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
     gg.grouped_gemm(x, w, [1, 3])  # a route cached for the CPU
     cpu = device_info(torch.device("cpu"))
@@ -78,16 +78,13 @@ def test_emulated_routes_real_tensors_as_the_chip_and_restores(gen):
             seen.append(problem.device.arch)
             return gg.grouped_gemm(inputs.a, inputs.b, inputs.m_splits, backend="reference")
 
-    gg.register_backend(Spy())
-    try:
-        with gg.use_backends("spy"):
-            with emulated("gfx950") as info:
-                problem = gg.explain(x, w, [1, 3]).problem
-                assert problem.device == info and problem.placement == "cpu"
-                gg.grouped_gemm(x, w, [1, 3])
+    register(Spy())
+    with gg.use_backends("spy"):
+        with emulated("gfx950") as info:
+            problem = gg.explain(x, w, [1, 3]).problem
+            assert problem.device == info and problem.placement == "cpu"
             gg.grouped_gemm(x, w, [1, 3])
-    finally:
-        gg.unregister_backend("spy")
+        gg.grouped_gemm(x, w, [1, 3])
     assert seen == ["gfx950", "cpu"]
     assert device_info(torch.device("cpu")) is cpu
     with pytest.raises(gg.InvalidArgumentError), emulated(3):

@@ -190,7 +190,7 @@ def test_recipe_object_with_e5m2_gradients(ops):
         _fwd_or_dgrad("dgrad", dyq, wq, s, "mxfp8", None, None)
 
 
-def test_backends_see_the_mx_format_in_eligibility(ops):
+def test_backends_see_the_mx_format_in_eligibility(ops, register):
     x, w, _, s = ops
 
     class PlainOnly(gg.Backend):
@@ -199,11 +199,8 @@ def test_backends_see_the_mx_format_in_eligibility(ops):
         def run(self, problem, inputs):  # pragma: no cover - never eligible here
             raise AssertionError
 
-    gg.register_backend(PlainOnly())
-    try:
-        decision = gg.explain(x, gg.quantize_mx_weight(w, "e2m1"), s)
-        text = str(decision)
-        assert "pre-quantized MX e2m1 tensor; accepted MX formats: none" in text
-        assert decision.selected == "reference"
-    finally:
-        gg.unregister_backend("plain_only_mx_test")
+    register(PlainOnly())
+    decision = gg.explain(x, gg.quantize_mx_weight(w, "e2m1"), s)
+    text = str(decision)
+    assert "pre-quantized MX e2m1 tensor; accepted MX formats: none" in text
+    assert decision.selected == "reference"

@@ -85,16 +85,12 @@ class _Recorder(ReferenceBackend):
 
 
 @pytest.mark.parametrize("trans_b,ops_run", [(False, ["dgrad", "fwd", "wgrad"]), (True, ["fwd", "dgrad", "wgrad"])])
-def test_b_is_used_in_place_without_copies(trans_b, ops_run, gen):
+def test_b_is_used_in_place_without_copies(trans_b, ops_run, gen, register):
     """Both layouts map onto an op that reads b as it is (no transpose copy per call)."""
-    spy = _Recorder()
-    gg.register_backend(spy)
-    try:
-        a, b, grad = _problem([6, 0, 11, 3], 12, 9, trans_b, torch.bfloat16, gen)
-        b.requires_grad_()
-        ops.gmm(a.requires_grad_(), b, torch.tensor([6, 0, 11, 3]), trans_b).backward(grad)
-    finally:
-        gg.unregister_backend("spy_gmm")
+    spy = register(_Recorder())
+    a, b, grad = _problem([6, 0, 11, 3], 12, 9, trans_b, torch.bfloat16, gen)
+    b.requires_grad_()
+    ops.gmm(a.requires_grad_(), b, torch.tensor([6, 0, 11, 3]), trans_b).backward(grad)
     assert [c[0] for c in spy.calls] == ops_run
     assert spy.calls[0][1] == b.data_ptr()
     assert spy.calls[1][1] == b.data_ptr()
