@@ -374,6 +374,7 @@ def test_prequantized_weights_reach_the_backend_and_are_checked_as_the_same_func
     assert floors["a16w4"] == pytest.approx(45.16, abs=0.01) and floors["mxfp8"] == 25.0
 
 
+@pytest.mark.slow
 def test_mx_weights_both_times_each_mx_call_per_call_and_prequantized(tmp_path, capsys):
     """``--mx-weights both``: MX fwd / dgrad run twice (bf16 weights quantized inside the
     call, then an MXTensor), labelled in the table and the JSON; wgrad and bf16 once."""

@@ -126,6 +126,7 @@ def test_mx_recipe_compiles_and_matches_eager(gen):
         assert rel_error(grads_c[name], grads[name]) < 1e-6, name
 
 
+@pytest.mark.slow
 def test_moe_fullgraph_with_inductor(gen):
     torch.manual_seed(0)
     model = MoEMLP(32, 24, 8, 2, "fp32")

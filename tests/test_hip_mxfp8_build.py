@@ -137,6 +137,7 @@ _TWO_BUILDERS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_build_once(cache, tmp_path):
     count = tmp_path / "compiles.txt"
     env = {**os.environ, build.CACHE_ENV: str(cache)}
@@ -256,6 +257,7 @@ _CUOBJDUMP = shutil.which("cuobjdump") or next(
         ("sm_90a", ["-DGG_MXFP8_PORTABLE"], r"FFMA"),  # the ROCm inner product, compiled for CUDA
     ],
 )
+@pytest.mark.slow
 def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
     unit = tmp_path / "unit.cu"
     kernels = "\n".join(

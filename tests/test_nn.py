@@ -385,6 +385,7 @@ def test_gpu_module_fwd_bwd_matches_float64(separate):
     assert not dw[1].any() and not db[1].any()
 
 
+@pytest.mark.slow
 def test_example_moe_layer_trains():
     """examples/moe_layer.py runs, its loss falls, and it reports the backends that ran."""
     script = Path(__file__).resolve().parents[1] / "examples" / "moe_layer.py"

@@ -281,6 +281,7 @@ def _run_example(out: Path, env: dict[str, str], *args: str, timeout: float = JO
     return report
 
 
+@pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path: Path):
     report = _run_example(tmp_path, _env(), "--tokens", "24", "--bench-iters", "1")
     assert report["backend"] == "gloo"

@@ -40,6 +40,7 @@ def _python(site: Path, code: str, **env: str) -> subprocess.CompletedProcess:
 # 1. A third-party duplicate of a built-in name always loses, even with trylast=True.
 
 
+@pytest.mark.slow
 def test_trylast_plugin_cannot_replace_a_builtin(tmp_path):
     _dist(
         tmp_path,
@@ -98,6 +99,7 @@ def test_equals_in_an_order_names_the_colon_mistake():
         gg.configure(backends="bf16=torch_grouped_mm")
 
 
+@pytest.mark.slow
 def test_log_level_env_shows_records_on_stderr():
     code = "import torch, grouped_gemm as gg; gg.grouped_gemm(torch.randn(4, 2), torch.randn(2, 3, 2), [1, 3])"
     done = subprocess.run(

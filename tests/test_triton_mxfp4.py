@@ -95,6 +95,7 @@ def test_fwd_dgrad_match_reference(op, recipe, splits, path, gen):
 
 @needs_interpreter
 @pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.slow
 def test_skewed_splits_and_even_contraction(path, gen):
     """Skewed random splits with empty groups, contraction a multiple of both K steps."""
     splits = random_splits(6, 150, empty=2, generator=gen)

@@ -113,6 +113,7 @@ def test_scale_rules(op, rule, path, gen):
 
 @needs_interpreter
 @pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.slow
 def test_skewed_splits_and_even_contraction(path, gen):
     """Skewed random splits with empty groups; contractions that are and are not multiples
     of the 128-element K step."""
