@@ -3,7 +3,7 @@
 The first thing to run on a new machine. Each backend runs every op and recipe it is
 eligible for on small random problems (skewed splits, empty groups, all groups empty,
 one group, unaligned sizes), with the output poisoned with NaN first, and its SQNR
-against the expected result is compared with the floors below. Without a GPU, Triton
+against the expected result is compared with the floors of ``grouped_gemm.testing``. Without a GPU, Triton
 kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set when unset).
 """
 
@@ -22,11 +22,9 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import testing
-from grouped_gemm.bench import mx_weights
-from grouped_gemm.bench.progress import Progress
-from grouped_gemm.device import torch_device
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.testing import RECIPE_VS_UNQUANTIZED_DB, output_floor_db, same_function, sqnr_floor
+from grouped_gemm.tools import Progress, add_device_option, torch_device
 
 # --- The problems ---------------------------------------------------------------------
 
@@ -90,7 +88,7 @@ class Case:
     @property
     def same_function(self) -> bool:
         """Whether float64 of ``a`` and ``b_values`` is exactly what the backend computes."""
-        return same_function(self.recipe, self.op, self.variant.endswith("+mxw"))
+        return same_function(gg.get_recipe(self.recipe), self.op, self.variant.endswith("+mxw"))
 
     def fresh_out(self) -> torch.Tensor:
         """The output buffer: the initial values when accumulating, else NaN poison."""
@@ -156,8 +154,9 @@ def _make_case(scenario: Scenario, variant: str, recipe: str, out_dtype: torch.d
     if variant.endswith("+acc"):
         init = torch.randn((g, n, k), generator=gen, device=device, dtype=torch.float32).to(out_dtype)
     if variant.endswith("+mxw"):
-        q = mx_weights.quantize_weight(b, recipe, op)
-        return Case(scenario, variant, recipe, out_dtype, a, q, mx_weights.dequantized(q, b), init)
+        r = gg.get_recipe(recipe)
+        q = gg.quantize_mx_weight(b, r.weight_format, op=op, scale_rule=r.scale_rule, block_size=r.block_size)
+        return Case(scenario, variant, recipe, out_dtype, a, q, q.dequantize(), init)
     return Case(scenario, variant, recipe, out_dtype, a, b, b, init)
 
 
@@ -187,9 +186,10 @@ class Result:
 
 def _no_mx_weight(scenario: Scenario, op: str, recipe: str) -> bool:
     """True when the weight cannot be pre-quantized: a plain recipe, high-precision weights,
-    no ``gg.quantize_mx``, or a block axis (K for fwd, N for dgrad) not a multiple of 32."""
+    or a block axis (K for fwd, N for dgrad) not a multiple of the block size."""
     axis_length = scenario.k if op == "fwd" else scenario.n
-    return mx_weights.unavailable(recipe, op) is not None or axis_length % gg.get_recipe(recipe).block_size != 0
+    r = gg.get_recipe(recipe)
+    return r.weight_format is None or axis_length % r.block_size != 0
 
 
 def _specs(recipes: list[str], variants: list[str]) -> list[tuple[Scenario, str, str, torch.dtype]]:
@@ -374,7 +374,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", help="comma-separated backends to check (default: every registered one)")
     parser.add_argument("--recipes", help=f"comma-separated recipes (default: all of {', '.join(gg.RECIPES)})")
     parser.add_argument("--ops", help=f"comma-separated op variants (default: all of {', '.join(VARIANTS)})")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_device_option(parser)
     parser.add_argument("--verbose", "-v", action="store_true", help="print every run, and why backends were skipped")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 

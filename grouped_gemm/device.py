@@ -90,15 +90,6 @@ class DeviceInfo:
         return f"{self.name} [{self.vendor} {self.arch}, {self.multiprocessors} units]{origin}"
 
 
-def torch_device(choice: str) -> torch.device:
-    """A command line's ``--device`` (``auto``, ``cpu``, ``cuda``) as a torch device."""
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
-    return torch.device(choice)
-
-
 def known_archs() -> tuple[str, ...]:
     """The arch names ``DeviceInfo.for_arch`` accepts."""
     return tuple(sorted(_ARCH_TABLE))

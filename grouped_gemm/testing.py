@@ -1,17 +1,17 @@
 """Numerics shared by tests, ``grouped-gemm check`` and the benchmarks.
 
-Float64 ground truth for each op, error measures, poisoned outputs, and random problem
-data that is never zeros (zeros hide unwritten outputs and wrong indexing).
+Float64 ground truth for each op, error measures and the SQNR floors a correct result
+must reach, poisoned outputs, and random problem data that is never zeros (zeros hide
+unwritten outputs and wrong indexing).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-
-from grouped_gemm.recipes import get_recipe
 
 #: A value no correct kernel writes; ``poison`` fills outputs with it before a run.
 POISON = float("nan")
@@ -33,6 +33,54 @@ def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+# --- What "correct" means (docs/mx_formats.md has the recipes' measured errors) -------
+# Same function (identical inputs, only accumulation order differs), fp32 output: 60 dB.
+# A bf16 / fp16 output is the exact result rounded to nearest with p significand bits
+# (8 / 11), a relative error of at most 2^-p per element, so rounding alone can bring the
+# SQNR down to 20 p log10(2): 48.2 dB for bf16, 66.2 dB for fp16. The floor is that bound
+# less 3 dB of accumulation-order noise, capped at 60 dB: bf16 45.2 dB, fp16 60 dB, fp32
+# 60 dB.
+SAME_FUNCTION_DB = 60.0
+ROUNDING_MARGIN_DB = 3.0
+_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
+#: A recipe against the unquantized float64 result on random normal data: MXFP8 25 dB,
+#: any recipe with e2m1 weights 12 dB.
+RECIPE_VS_UNQUANTIZED_DB = {"mxfp8": 25.0, "mxfp4": 12.0, "a8w4": 12.0, "a16w4": 12.0}
+
+
+def output_floor_db(out_dtype: str) -> float:
+    """The same-function floor for an output dtype (see the rules above)."""
+    bits = _SIGNIFICAND_BITS[out_dtype]
+    return min(SAME_FUNCTION_DB, 20.0 * bits * math.log10(2.0) - ROUNDING_MARGIN_DB)
+
+
+def sqnr_floor(out_dtype: str, recipe: str, same_function: bool) -> float:
+    """The SQNR a correct result must reach: the output floor for the same function, else
+    (an MX recipe against unquantized inputs) the recipe's floor."""
+    floor = output_floor_db(out_dtype)
+    if same_function:
+        return floor
+    return min(floor, RECIPE_VS_UNQUANTIZED_DB.get(recipe, floor))
+
+
+class _RecipeFormats(Protocol):
+    is_mx: bool
+    act_format: str | None
+    grad_format: str | None
+
+
+def same_function(recipe: _RecipeFormats, op: str, prequantized_weight: bool) -> bool:
+    """Whether a float64 product of the operands as passed computes what the backend does
+    under ``recipe`` (a ``gg.Recipe``): true unless the backend still quantizes an operand
+    (plain recipes; MX weights passed pre-quantized with the other operand in a format the
+    recipe keeps high-precision)."""
+    if not recipe.is_mx:
+        return True
+    if op == "wgrad":
+        return recipe.grad_format is None and recipe.act_format is None
+    return prequantized_weight and (recipe.act_format if op == "fwd" else recipe.grad_format) is None
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -97,45 +145,3 @@ def random_splits(groups: int, m: int, *, empty: int = 0, generator: torch.Gener
     live = torch.nonzero(weights).flatten()
     sizes[live[0]] += m - int(sizes.sum())
     return [int(s) for s in sizes.tolist()]
-
-
-# SQNR floors: what "correct" means for check, bench and the tests.
-# Same function (identical inputs, only accumulation order differs), fp32 output: 60 dB.
-# A bf16 / fp16 output is the exact result rounded to nearest with
-# p significand bits (8 / 11), a relative error of at most 2^-p per element, so rounding
-# alone can bring the SQNR down to 20 p log10(2): 48.2 dB for bf16, 66.2 dB for fp16.
-# The floor is that bound less 3 dB of accumulation-order noise, capped at 60 dB:
-# bf16 45.2 dB, fp16 60 dB, fp32 60 dB.
-SAME_FUNCTION_DB = 60.0
-ROUNDING_MARGIN_DB = 3.0
-_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
-# A recipe against the unquantized float64 result on random normal data:
-# MXFP8 25 dB, any recipe with e2m1 weights 12 dB.
-RECIPE_VS_UNQUANTIZED_DB = {"mxfp8": 25.0, "mxfp4": 12.0, "a8w4": 12.0, "a16w4": 12.0}
-
-
-def output_floor_db(out_dtype: str) -> float:
-    """The same-function floor for an output dtype (see the rules above)."""
-    bits = _SIGNIFICAND_BITS[out_dtype]
-    return min(SAME_FUNCTION_DB, 20.0 * bits * math.log10(2.0) - ROUNDING_MARGIN_DB)
-
-
-def sqnr_floor(out_dtype: str, recipe: str, same_function: bool) -> float:
-    """The SQNR a correct result must reach: the output floor for the same function, else
-    (an MX recipe against unquantized inputs) the recipe's floor."""
-    floor = output_floor_db(out_dtype)
-    if same_function:
-        return floor
-    return min(floor, RECIPE_VS_UNQUANTIZED_DB.get(recipe, floor))
-
-
-def same_function(recipe: str, op: str, prequantized_weight: bool) -> bool:
-    """Whether a float64 product of the operands as passed computes what the backend does:
-    true unless the backend still quantizes an operand (plain recipes; MX weights passed
-    pre-quantized with the other operand in a format the recipe keeps high-precision)."""
-    r = get_recipe(recipe)
-    if not r.is_mx:
-        return True
-    if op == "wgrad":
-        return r.grad_format is None and r.act_format is None
-    return prequantized_weight and (r.act_format if op == "fwd" else r.grad_format) is None

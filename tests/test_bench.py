@@ -226,8 +226,13 @@ class _Raises(gg.Backend):
 
 
 @pytest.fixture
-def bad_backends(register):
-    return [register(b).spec.name for b in (_Wrong(), _Raises())]
+def bad_backends():
+    backends = [_Wrong(), _Raises()]
+    for b in backends:
+        gg.register_backend(b)
+    yield [b.spec.name for b in backends]
+    for b in backends:
+        gg.unregister_backend(b.spec.name)
 
 
 def test_wrong_and_failing_backends_are_flagged_not_celebrated(tmp_path, capsys, bad_backends):
@@ -250,10 +255,22 @@ class _GpuOnly(_Raises):
     )
 
 
-def test_named_backend_that_is_not_eligible_is_reported(capsys, register):
-    register(_GpuOnly())
-    argv = ["--cases", "qwen3_30b_down", "--ops", "fwd", "--splits", "balanced", "--backends", "bench_test_gpu_only"]
-    code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet", "--device", "cpu")
+def test_named_backend_that_is_not_eligible_is_reported(capsys):
+    gg.register_backend(_GpuOnly())
+    try:
+        argv = [
+            "--cases",
+            "qwen3_30b_down",
+            "--ops",
+            "fwd",
+            "--splits",
+            "balanced",
+            "--backends",
+            "bench_test_gpu_only",
+        ]
+        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet", "--device", "cpu")
+    finally:
+        gg.unregister_backend("bench_test_gpu_only")
     assert code == 0
     assert "SKIPPED: bench_test_gpu_only" in out and "not eligible" in out and "[placement]" in out
 
@@ -275,32 +292,6 @@ def test_plot_is_a_png(tmp_path, capsys):
     code, out, _ = _run(capsys, *argv, *SMOKE, "--quiet")
     assert code == 0 and f"wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_prequantized_weights_skip_clearly_when_unavailable(tmp_path, capsys, monkeypatch):
-    monkeypatch.delattr(gg, "quantize_mx", raising=False)
-    argv = ["--cases", "mixtral_down", "--ops", "fwd,wgrad", "--splits", "balanced", "--recipe", "a16w4"]
-    code, out, _ = _run(capsys, *argv, *SMOKE, "--prequantized-weights", "--quiet", "--backends", "all")
-    assert code == 0
-    assert (
-        "SKIPPED: - on mixtral_down balanced fwd a16w4 w:prequantized: --prequantized-weights: this grouped_gemm has no"
-        in out
-    )
-    assert "gg.quantize_mx" in out and "wgrad a16w4: --prequantized-weights" not in out
-
-
-def test_prequantized_weights_are_mx_tensors_when_quantize_mx_exists(tmp_path, capsys):
-    if not callable(getattr(gg, "quantize_mx", None)):
-        pytest.skip("this grouped_gemm has no gg.quantize_mx")
-    from grouped_gemm.bench import mx_weights
-
-    w = torch.randn(2, 64, 96, dtype=torch.bfloat16)
-    for op, axis in (("fwd", 2), ("dgrad", 1)):
-        q = mx_weights.quantize_weight(w, "a16w4", op)
-        assert isinstance(q, gg.MXTensor) and q.axis == axis
-        deq = mx_weights.dequantized(q, w)
-        assert gg.testing.sqnr_db(deq, w) > 12  # e2m1 with E8M0 scales on normal data
-    assert mx_weights.unavailable("bf16", "fwd") == "recipe bf16 keeps weights in high precision"
 
 
 @pytest.mark.parametrize(
@@ -351,10 +342,22 @@ class _WrongShape(_Raises):
         return inputs.a[:, :1].clone()
 
 
-def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys, register):
-    register(_WrongShape())
-    argv = ["--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced", "--backends", "bench_test_wrong_shape"]
-    code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet")
+def test_a_result_of_the_wrong_shape_is_an_error_not_a_crash(capsys):
+    gg.register_backend(_WrongShape())
+    try:
+        argv = [
+            "--cases",
+            "mixtral_down",
+            "--ops",
+            "fwd",
+            "--splits",
+            "balanced",
+            "--backends",
+            "bench_test_wrong_shape",
+        ]
+        code, out, _ = _run(capsys, *argv, *SMOKE, "--no-peer", "--quiet")
+    finally:
+        gg.unregister_backend("bench_test_wrong_shape")
     assert code == 1
     # The core checks run()'s result against the problem before bench sees it.
     assert "ERROR: bench_test_wrong_shape" in out and "run() returned shape (164, 1), expected (164, 64)" in out
@@ -374,7 +377,6 @@ def test_prequantized_weights_reach_the_backend_and_are_checked_as_the_same_func
     assert floors["a16w4"] == pytest.approx(45.16, abs=0.01) and floors["mxfp8"] == 25.0
 
 
-@pytest.mark.slow
 def test_mx_weights_both_times_each_mx_call_per_call_and_prequantized(tmp_path, capsys):
     """``--mx-weights both``: MX fwd / dgrad run twice (bf16 weights quantized inside the
     call, then an MXTensor), labelled in the table and the JSON; wgrad and bf16 once."""

@@ -12,6 +12,15 @@ from grouped_gemm import check, testing
 from grouped_gemm.cli import main
 
 
+def test_same_function_only_when_the_backend_quantizes_nothing_more():
+    plain, mxfp8, a16w4 = gg.get_recipe("bf16"), gg.get_recipe("mxfp8"), gg.get_recipe("a16w4")
+    assert testing.same_function(plain, "wgrad", prequantized_weight=False)
+    assert not testing.same_function(a16w4, "fwd", prequantized_weight=False)
+    assert testing.same_function(a16w4, "fwd", prequantized_weight=True)
+    assert testing.same_function(a16w4, "wgrad", prequantized_weight=False)
+    assert not testing.same_function(mxfp8, "dgrad", prequantized_weight=True)
+
+
 def test_floors_follow_output_rounding():
     assert testing.output_floor_db("float32") == 60.0
     assert testing.output_floor_db("float16") == 60.0
@@ -90,9 +99,12 @@ class _Raising(_Broken):
 
 
 @pytest.fixture
-def broken(register):
+def broken():
     for b in (_Broken(), _Raising()):
-        register(b)
+        gg.register_backend(b)
+    yield
+    for name in ("check_test_broken", "check_test_raising"):
+        gg.unregister_backend(name)
 
 
 def test_wrong_backends_fail_with_their_sqnr_and_exit_code(capsys, broken):

@@ -154,7 +154,6 @@ def test_small_scales_only_for_cached_prequantized_weights(gen):
         ("mxfp8", "triton_mxfp8", "e4m3", 25),  # testing.RECIPE_VS_UNQUANTIZED_DB
     ],
 )
-@pytest.mark.slow
 def test_fresh_weights_equal_prequantized_weights_end_to_end(recipe, backend, fmt, floor_db, gen):
     """A call with high-precision weights (fused kernel) gives exactly the call with the
     same weights quantized ahead (MXTensor, cached layout), and matches the reference."""

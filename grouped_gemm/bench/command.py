@@ -16,13 +16,12 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.bench import ceilings, environment, plot, report
-from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.runner import MX_WEIGHTS, BenchOptions, Sweep
 from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan
-from grouped_gemm.device import torch_device
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.problem import OPS
+from grouped_gemm.tools import Progress, add_device_option, torch_device
 
 # A GPU sweep's defaults keep the 72-problem bf16 sweep within a few minutes on an H200;
 # the CPU defaults keep a smoke run within seconds.
@@ -51,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
     )
     p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {_CPU_SCALE} on the CPU)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_device_option(p)
     p.add_argument("--warmup-ms", type=float, help="warm-up before a backend's first block, ms (GPU 25, CPU 2)")
     p.add_argument("--rep-ms", type=float, help="timed calls per backend and problem, in ms (GPU default 150, CPU 20)")
     p.add_argument("--min-reps", type=int, help="at least this many timed calls (GPU default 10, CPU 3)")

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.bench import accuracy, metrics, mx_weights, peer
+from grouped_gemm.bench import accuracy, metrics, peer
 from grouped_gemm.bench.ceilings import Ceilings, matmul_kind
 from grouped_gemm.bench.operands import DTYPES, OperandSets, make_operands
-from grouped_gemm.bench.progress import Progress
 from grouped_gemm.bench.shapes import Case
 from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
 from grouped_gemm.problem import Op, Problem
 from grouped_gemm.testing import same_function, sqnr_floor
+from grouped_gemm.tools import Progress
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
@@ -256,9 +256,7 @@ class Sweep:
         operands = make_operands(job.op, job.case, splits, _input_dtype(job.recipe), opts.device, opts.seed)
         reference_b = operands.first.b
         if job.weights == "prequantized":
-            why = mx_weights.unavailable(job.recipe, job.op)
-            if why is None:
-                why, reference_b = _prequantize(job, operands)
+            why, reference_b = _prequantize(job, operands)
             if why is not None:
                 return self._skip(job, f"--prequantized-weights: {why}")
         m_splits = torch.tensor(splits, device=opts.device) if opts.device_splits else splits
@@ -276,7 +274,7 @@ class Sweep:
             for name in (n for n in opts.backends if n in skipped):
                 self.result.rows.append(job.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
         sample = accuracy.sample_reference(job.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
-        same = same_function(job.recipe, job.op, prequantized_weight=reference_b is not first.b)
+        same = same_function(gg.get_recipe(job.recipe), job.op, prequantized_weight=reference_b is not first.b)
         floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=same)
         contenders = []
         kind = matmul_kind(job.recipe)
@@ -326,12 +324,17 @@ class Sweep:
 
 
 def _prequantize(job: Job, operands: OperandSets) -> tuple[str | None, torch.Tensor]:
-    """Replace every set's weight by its MXTensor; (why not, or None; the dequantized weight)."""
+    """Replace every set's weight by its MXTensor, quantized along the op's contraction
+    dimension (K for fwd, N for dgrad) with the recipe's scale rule; (why not, or None;
+    the dequantized weight, for the float64 reference)."""
     original = operands.first.b
+    r = gg.get_recipe(job.recipe)
     try:
         for s in operands.sets:
-            s.b = mx_weights.quantize_weight(s.b, job.recipe, job.op)
-        return None, mx_weights.dequantized(operands.first.b, original)
+            s.b = gg.quantize_mx_weight(
+                s.b, r.weight_format, op=job.op, scale_rule=r.scale_rule, block_size=r.block_size
+            )
+        return None, operands.first.b.dequantize()
     except (*CALL_ERRORS, AttributeError) as exc:
         return f"quantizing the weight failed: {_error_note(exc)}", original
 

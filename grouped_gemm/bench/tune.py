@@ -21,8 +21,8 @@ import grouped_gemm as gg
 from grouped_gemm import autotune, tuning_store
 from grouped_gemm.bench.operands import DTYPES, operand_shapes
 from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_cases
-from grouped_gemm.device import torch_device
 from grouped_gemm.problem import OPS, Op
+from grouped_gemm.tools import add_device_option, torch_device
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--splits", default="balanced,skewed", help="comma-separated: balanced, skewed")
     p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_device_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     p.add_argument("--show", action="store_true", help="print the stored choices instead of tuning")
 

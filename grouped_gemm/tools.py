@@ -1,14 +1,35 @@
-"""A dependency-free progress line on stderr for long sweeps.
+"""What the command-line tools (``check``, ``bench``, ``tune``) share: the ``--device``
+option and a progress line.
 
-On a terminal the line is redrawn in place; in a log (not a TTY) each step is its own
-line, so a run's log shows where it was when it stopped.
+The progress line is dependency-free, on stderr: on a terminal it is redrawn in place;
+in a log (not a TTY) each step is its own line, so a run's log shows where it was when
+it stopped.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import TextIO
+
+import torch
+
+from grouped_gemm.errors import InvalidArgumentError
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """``--device auto|cpu|cuda`` (read it with ``torch_device``)."""
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+def torch_device(choice: str) -> torch.device:
+    """A command line's ``--device`` (``auto``, ``cpu``, ``cuda``) as a torch device."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
+    return torch.device(choice)
 
 
 class Progress:
