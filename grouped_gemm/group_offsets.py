@@ -22,8 +22,17 @@ from typing import Any
 import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidTypeError, SplitsError
-from grouped_gemm.inputs import host_to_device
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
+
+
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` in one H2D copy, non-blocking from pinned memory
+    when ``device`` is a CUDA or ROCm GPU (pinning needs one, so other targets take a plain
+    tensor). torch's caching host allocator keeps the pinned buffer until the copy ran."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
 
 #: The ends are int32 (what the kernels take), so the total number of rows must fit.
 _MAX_ROWS = 2**31 - 1

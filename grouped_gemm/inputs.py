@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grouped_gemm.group_offsets import host_to_device
+
 if TYPE_CHECKING:
     from grouped_gemm.problem import Problem
 
@@ -77,12 +79,3 @@ class GroupedInputs:
 def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy."""
     return host_to_device(list(itertools.accumulate(splits)), device, dtype)
-
-
-def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """``values`` as a tensor on ``device`` in one H2D copy, non-blocking from pinned memory
-    when ``device`` is a CUDA or ROCm GPU (pinning needs one, so other targets take a plain
-    tensor). torch's caching host allocator keeps the pinned buffer until the copy ran."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
