@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate, max_groups_bucket
 
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 import triton
-from grouped_gemm.backends.multistream import MultistreamBackend, set_streams
-from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend
 from triton.testing import do_bench
 
 import grouped_gemm as gg
 from grouped_gemm import validation
+from grouped_gemm.backends.multistream import MultistreamBackend, set_streams
+from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend
 from grouped_gemm.testing import sqnr_db
 
 HERE = Path(__file__).resolve().parent

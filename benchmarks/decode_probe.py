@@ -17,9 +17,9 @@ import json
 import sys
 
 import torch
-from grouped_gemm.backends.triton_mx import launch, layouts
 from triton.testing import do_bench
 
+from grouped_gemm.backends.triton_mx import launch, layouts
 from grouped_gemm.mx import quantize_mx_weight
 
 

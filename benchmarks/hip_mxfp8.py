@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from grouped_gemm.backends.hip_mxfp8 import build
-from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 from triton.testing import do_bench
 
 import grouped_gemm as gg
+from grouped_gemm.backends.hip_mxfp8 import build
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 from grouped_gemm.mx import quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import sqnr_db
 

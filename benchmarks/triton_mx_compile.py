@@ -32,11 +32,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("unset TRITON_INTERPRET: this script compiles the kernels")
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import triton
 from bf16_probe import launch_bf16_probe
-from grouped_gemm.backends.triton_mx import launch, layouts
-from grouped_gemm.backends.triton_mx.dequant_kernel import DequantTile
-from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from triton.testing import do_bench
 
 import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import launch, layouts
+from grouped_gemm.backends.triton_mx.dequant_kernel import DequantTile
+from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import sqnr_db
 

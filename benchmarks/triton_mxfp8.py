@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mx import launch
 from triton_mxfp4 import SHAPES, balanced, bench_ms, ceilings, skewed
 
 import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import launch
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import sqnr_db
 

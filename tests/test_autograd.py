@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
-from grouped_gemm.backends.reference import ReferenceBackend
 
 import grouped_gemm as gg
+from grouped_gemm.backends.reference import ReferenceBackend
 from grouped_gemm.linear import bias_grad
 from grouped_gemm.recipe_codec import recipe_from_key, recipe_key
 from grouped_gemm.testing import poison, random_splits, ref_wgrad, rel_error, sqnr_db

@@ -12,10 +12,10 @@ import re
 
 import pytest
 import torch
-from grouped_gemm.backends.reference import ReferenceBackend
 
 import grouped_gemm as gg
 from grouped_gemm import ops
+from grouped_gemm.backends.reference import ReferenceBackend
 from grouped_gemm.testing import poison, rel_error
 
 SPLITS = {

@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
-from grouped_gemm.backends.hip_mxfp8 import build
-from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 
 import grouped_gemm as gg
+from grouped_gemm.backends.hip_mxfp8 import build
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 from grouped_gemm.mx import quantize_mx, quantize_mx_weight
 from grouped_gemm.testing import poison, random_splits, sqnr_db
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from grouped_gemm.backends.hip_mxfp8 import build
-from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 
 import grouped_gemm as gg
 from grouped_gemm import cli
+from grouped_gemm.backends.hip_mxfp8 import build
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 
 CUDA_TORCH = torch.version.cuda is not None and torch.cuda.is_available()
 

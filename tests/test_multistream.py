@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from grouped_gemm.backends import multistream
-from grouped_gemm.backends.multistream import ENV_STREAMS, MultistreamBackend
 
 import grouped_gemm as gg
+from grouped_gemm.backends import multistream
+from grouped_gemm.backends.multistream import ENV_STREAMS, MultistreamBackend
 from grouped_gemm.device import emulated
 from grouped_gemm.dispatch import decide
 from grouped_gemm.testing import poison, random_splits, ref_dgrad, ref_fwd, ref_wgrad, sqnr_db

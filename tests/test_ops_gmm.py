@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grouped_gemm.backends.reference import ReferenceBackend
 
 import grouped_gemm as gg
 from grouped_gemm import ops
+from grouped_gemm.backends.reference import ReferenceBackend
 from grouped_gemm.testing import rel_error
 
 SPLITS = {

@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 import torch
-from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend, _clear_empty_groups, _row_major
 
 import grouped_gemm as gg
+from grouped_gemm.backends.torch_grouped_mm import TorchGroupedMMBackend, _clear_empty_groups, _row_major
 from grouped_gemm.dispatch import decide
 from grouped_gemm.testing import poison, random_splits, ref_dgrad, ref_fwd, ref_wgrad, sqnr_db
 

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 import torch
-from grouped_gemm.backends import torch_scaled_grouped_mm as tsg
 
 import grouped_gemm as gg
+from grouped_gemm.backends import torch_scaled_grouped_mm as tsg
 from grouped_gemm.inputs import GroupedInputs
 
 NAME = "torch_scaled_grouped_mm"

@@ -15,10 +15,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, launch, layouts
-from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 
 import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, launch, layouts
+from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight

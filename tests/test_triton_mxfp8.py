@@ -17,10 +17,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mx import TritonMxfp8Backend, launch, layouts_e4m3
-from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 
 import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import TritonMxfp8Backend, launch, layouts_e4m3
+from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
 
 import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.testing import poison, ref_fwd, sqnr_db
 

@@ -3,9 +3,8 @@ compiled on first use into a per-user cache (see ``build``) and docs/backends.md
 
 from __future__ import annotations
 
-from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
-
 from grouped_gemm import hookimpl
+from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 
 __all__ = ["HipMxfp8Backend"]
 

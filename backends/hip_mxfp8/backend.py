@@ -20,9 +20,9 @@ zero-padded by the quantizer (``pad=True``); wgrad pads every group's tokens to 
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.hip_mxfp8 import build
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, MXTensor, Problem, Reason, __version__
+from grouped_gemm.backends.hip_mxfp8 import build
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 

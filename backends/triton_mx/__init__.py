@@ -10,10 +10,9 @@ docs/triton_mxfp4.md and docs/triton_mxfp8.md.
 
 from __future__ import annotations
 
+from grouped_gemm import Backend, hookimpl
 from grouped_gemm.backends.triton_mx.mxfp4 import TritonMxfp4Backend
 from grouped_gemm.backends.triton_mx.mxfp8 import TritonMxfp8Backend
-
-from grouped_gemm import Backend, hookimpl
 
 __all__ = ["TritonMxfp4Backend", "TritonMxfp8Backend"]
 

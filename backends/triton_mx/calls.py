@@ -5,9 +5,9 @@ kernel otherwise) and the operand formats follow the recipe (``operands``)."""
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import launch, operands
 
 from grouped_gemm import GroupedInputs, Problem
+from grouped_gemm.backends.triton_mx import launch, operands
 
 #: What the shared kernels can run, whichever backend registers them: the paths (sm_90
 #: upcast, dot_scaled on sm_100 / sm_103 / gfx950, Triton's interpreter on the CPU), MX

@@ -34,8 +34,8 @@ import dataclasses
 
 import triton
 import triton.language as tl
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, widen
 
 

@@ -13,6 +13,9 @@ import dataclasses
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from grouped_gemm import Problem, Reason
 from grouped_gemm.backends.triton_mx.dequant_kernel import (
     DEQUANT_TILES,
     DequantTile,
@@ -24,9 +27,6 @@ from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_gr
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
-from triton.runtime.interpreter import InterpretedFunction
-
-from grouped_gemm import Problem, Reason
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS

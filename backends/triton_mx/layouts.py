@@ -45,8 +45,8 @@ from collections.abc import Callable
 
 import torch
 import triton
-from grouped_gemm.backends.triton_mx import weight_prep_kernel
 
+from grouped_gemm.backends.triton_mx import weight_prep_kernel
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
 

@@ -20,8 +20,8 @@ scale (2^(e - 7) is a normal bf16) and one multiply does.
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcast_weight
 
+from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcast_weight
 from grouped_gemm.mx import MXTensor
 
 #: Largest scale byte whose folded multiplier 2^(e - 7) is a finite bf16.

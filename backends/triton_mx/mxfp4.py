@@ -8,9 +8,9 @@ upcast kernel, weights decoded to bf16 in registers, MX activations decoded to b
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
+from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 
 class TritonMxfp4Backend(Backend):

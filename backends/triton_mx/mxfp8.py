@@ -14,9 +14,9 @@ the reference backend.
 from __future__ import annotations
 
 import torch
-from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
+from grouped_gemm.backends.triton_mx import calls, launch, operands
 
 _GRAD_FORMATS = ("e4m3", "e5m2")
 

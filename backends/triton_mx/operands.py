@@ -24,9 +24,9 @@ E2M1 operand and are left to other backends (``triton_mxfp4``'s check says so).
 from __future__ import annotations
 
 import torch
+
 from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
-
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.problem import Problem

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate

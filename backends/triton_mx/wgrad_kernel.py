@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import bf16_dot
 from grouped_gemm.backends.triton_mx.scaled_kernel import emulated_dot_scaled
