@@ -24,7 +24,7 @@ import grouped_gemm as gg
 from grouped_gemm import testing
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.testing import RECIPE_VS_UNQUANTIZED_DB, output_floor_db, same_function, sqnr_floor
-from grouped_gemm.tools import Progress, add_device_option, torch_device
+from grouped_gemm.tools import Progress, add_device_option, prequantized_weight, torch_device
 
 # --- The problems ---------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class Case:
     @property
     def same_function(self) -> bool:
         """Whether float64 of ``a`` and ``b_values`` is exactly what the backend computes."""
-        return same_function(gg.get_recipe(self.recipe), self.op, self.variant.endswith("+mxw"))
+        return same_function(self.recipe, self.op, self.variant.endswith("+mxw"))
 
     def fresh_out(self) -> torch.Tensor:
         """The output buffer: the initial values when accumulating, else NaN poison."""
@@ -154,8 +154,7 @@ def _make_case(scenario: Scenario, variant: str, recipe: str, out_dtype: torch.d
     if variant.endswith("+acc"):
         init = torch.randn((g, n, k), generator=gen, device=device, dtype=torch.float32).to(out_dtype)
     if variant.endswith("+mxw"):
-        r = gg.get_recipe(recipe)
-        q = gg.quantize_mx_weight(b, r.weight_format, op=op, scale_rule=r.scale_rule, block_size=r.block_size)
+        q = prequantized_weight(b, recipe, op)
         return Case(scenario, variant, recipe, out_dtype, a, q, q.dequantize(), init)
     return Case(scenario, variant, recipe, out_dtype, a, b, b, init)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
+
+from grouped_gemm.recipes import get_recipe
 
 #: A value no correct kernel writes; ``poison`` fills outputs with it before a run.
 POISON = float("nan")
@@ -65,22 +66,17 @@ def sqnr_floor(out_dtype: str, recipe: str, same_function: bool) -> float:
     return min(floor, RECIPE_VS_UNQUANTIZED_DB.get(recipe, floor))
 
 
-class _RecipeFormats(Protocol):
-    is_mx: bool
-    act_format: str | None
-    grad_format: str | None
-
-
-def same_function(recipe: _RecipeFormats, op: str, prequantized_weight: bool) -> bool:
+def same_function(recipe: str, op: str, prequantized_weight: bool) -> bool:
     """Whether a float64 product of the operands as passed computes what the backend does
-    under ``recipe`` (a ``gg.Recipe``): true unless the backend still quantizes an operand
-    (plain recipes; MX weights passed pre-quantized with the other operand in a format the
-    recipe keeps high-precision)."""
-    if not recipe.is_mx:
+    under ``recipe``: true unless the backend still quantizes an operand (plain recipes;
+    MX weights passed pre-quantized with the other operand in a format the recipe keeps
+    high-precision)."""
+    r = get_recipe(recipe)
+    if not r.is_mx:
         return True
     if op == "wgrad":
-        return recipe.grad_format is None and recipe.act_format is None
-    return prequantized_weight and (recipe.act_format if op == "fwd" else recipe.grad_format) is None
+        return r.grad_format is None and r.act_format is None
+    return prequantized_weight and (r.act_format if op == "fwd" else r.grad_format) is None
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 """What the command-line tools (``check``, ``bench``, ``tune``) share: the ``--device``
-option and a progress line.
+option, weights pre-quantized as a recipe would, and a progress line.
 
 The progress line is dependency-free, on stderr: on a terminal it is redrawn in place;
 in a log (not a TTY) each step is its own line, so a run's log shows where it was when
@@ -15,6 +15,7 @@ from typing import TextIO
 
 import torch
 
+import grouped_gemm as gg
 from grouped_gemm.errors import InvalidArgumentError
 
 
@@ -30,6 +31,13 @@ def torch_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise InvalidArgumentError("device", choice, "'cpu' on this machine: torch sees no GPU")
     return torch.device(choice)
+
+
+def prequantized_weight(w: torch.Tensor, recipe: str, op: str) -> gg.MXTensor:
+    """``w`` as the MXTensor ``recipe`` would make of it for ``op`` (fwd or dgrad): its
+    weight format, scale rule and block size, blocked along the op's contraction axis."""
+    r = gg.get_recipe(recipe)
+    return gg.quantize_mx_weight(w, r.weight_format, op=op, scale_rule=r.scale_rule, block_size=r.block_size)
 
 
 class Progress:

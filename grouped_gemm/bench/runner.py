@@ -23,7 +23,7 @@ from grouped_gemm.bench.shapes import Case
 from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
 from grouped_gemm.problem import Op, Problem
 from grouped_gemm.testing import same_function, sqnr_floor
-from grouped_gemm.tools import Progress
+from grouped_gemm.tools import Progress, prequantized_weight
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
@@ -274,7 +274,7 @@ class Sweep:
             for name in (n for n in opts.backends if n in skipped):
                 self.result.rows.append(job.row(name, "backend", "skipped", note=f"not eligible: {skipped[name]}"))
         sample = accuracy.sample_reference(job.op, first.a, reference_b, splits, opts.seed) if opts.verify else None
-        same = same_function(gg.get_recipe(job.recipe), job.op, prequantized_weight=reference_b is not first.b)
+        same = same_function(job.recipe, job.op, prequantized_weight=reference_b is not first.b)
         floor = sqnr_floor(decision.problem.out_dtype, job.recipe, same_function=same)
         contenders = []
         kind = matmul_kind(job.recipe)
@@ -328,12 +328,9 @@ def _prequantize(job: Job, operands: OperandSets) -> tuple[str | None, torch.Ten
     dimension (K for fwd, N for dgrad) with the recipe's scale rule; (why not, or None;
     the dequantized weight, for the float64 reference)."""
     original = operands.first.b
-    r = gg.get_recipe(job.recipe)
     try:
         for s in operands.sets:
-            s.b = gg.quantize_mx_weight(
-                s.b, r.weight_format, op=job.op, scale_rule=r.scale_rule, block_size=r.block_size
-            )
+            s.b = prequantized_weight(s.b, job.recipe, job.op)
         return None, operands.first.b.dequantize()
     except (*CALL_ERRORS, AttributeError) as exc:
         return f"quantizing the weight failed: {_error_note(exc)}", original
