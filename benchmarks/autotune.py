@@ -15,7 +15,8 @@ bf16 and in each MX recipe where at least two backends are eligible here, it
    problem) and ``vs priority`` = time(priority choice) / time(tuned choice) - 1, and
    for each problem whether the tuner or the separate timing needed a close call and
    whether the tuned choice was measured on it or on the other splits of its signature
-   (the signature leaves out the split sizes, so skewed reuses balanced's choice).
+   (the splits are host lists: the signature holds M's bucket and the largest group's,
+   so a skewed split is tuned apart from a balanced one unless both buckets agree).
 
 Last, a fresh process calls the first problem again with the same cache directory and
 must measure nothing (``tuned 0, loaded 1``). The run points ``GROUPED_GEMM_CACHE_DIR``

@@ -135,7 +135,6 @@ def describe_problem(
         placement="cpu" if info.vendor == "cpu" else "cuda",
         splits=None if device_splits else sizes,
         m_align_cap=reg.max_m_multiple,
-        max_rows_groups=reg.max_rows_groups,
         weight_list=weight_list,
         accumulate=accumulate,
         contiguous=True,

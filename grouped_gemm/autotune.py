@@ -142,13 +142,19 @@ def interleave(
     """Time ``calls`` alternating at fine grain, as ``plan`` says, in the order A B, B A,
     A B, ... (a linear drift cancels out of each A B, B A); ``calls[j](i)`` runs
     contender ``j``'s ``i``-th call. Per contender, the ms of its timed calls block by
-    block; and the number of calls made, untimed ones included. Exceptions propagate."""
+    block; and the number of calls made, untimed ones included. Exceptions propagate.
+
+    Each block starts after a device sync, so no block pays for work its predecessor
+    left queued: on the H200 (2026-12-04), without it, ``torch_grouped_mm`` right after
+    ``multistream`` (side streams, per-group allocations) timed 1.02 ms in blocks against
+    0.83 ms in rounds, and the close call went the wrong way."""
     blocks, block = plan.blocks(per_call_ms)
     stamps: list[list[list[tuple[object, object]]]] = [[] for _ in calls]
     made = [0] * len(calls)
     forward = list(range(len(calls)))
     for b in range(blocks):
         for j in forward if b % 2 == 0 else forward[::-1]:
+            clock.sync()
             calls[j](made[j])
             made[j] += 1
             pairs = []
@@ -222,13 +228,18 @@ def choose(timings: Sequence[Timing], rank: Mapping[str, int], margin: float | N
 
 def tuning_key(problem: Problem) -> str:
     """A problem's signature as a string, without the device (it names the file) and
-    without capture (a choice measured outside a graph serves the captured call)."""
+    without capture (a choice measured outside a graph serves the captured call).
+
+    With host splits it holds the largest group (``max_rows``, a power of two) beside M's
+    bucket, so a skewed split is tuned apart from a balanced one of the same shape (on
+    the H200 their best backends differ: docs/performance.md, issue 16). Device splits
+    cannot say (reading them is a sync): their key has ``max_rows=None``."""
     p = problem
     return (
         f"{p.op}|{p.recipe}|G={p.groups}|M<={m_bucket(p.m)}|N={p.n}|K={p.k}|{p.a_format}x{p.b_format}->{p.out_dtype}"
         f"|{p.placement}|scale={p.scale_rule}|grad={p.grad_format}|host_splits={int(p.host_splits)}"
         f"|weight_list={int(p.weight_list)}|accumulate={int(p.accumulate)}|contiguous={int(p.contiguous)}"
-        f"|m_align={p.m_align}"
+        f"|m_align={p.m_align}|max_rows={p.max_rows}"
     )
 
 

@@ -48,10 +48,9 @@ class Problem:
     ``m_align`` is the largest power of two (capped at the largest alignment any
     registered backend asks for) dividing every group's row count; 0 when the splits
     live on the device and are not read. ``max_rows`` is the largest group's row count
-    rounded up to a power of two (so backends that pad groups can judge their waste
-    without a decision per distinct maximum); None when the splits live on the device,
-    or when no registered backend declaring ``max_padding`` takes G groups (it costs a
-    pass over the splits).
+    rounded up to a power of two: backends that pad groups judge their waste by it, and
+    with M it tells a skewed split from a balanced one (autotuning keys on both), without
+    a decision per distinct maximum; None when the splits live on the device.
     ``signature`` (computed once) names the decision: every field, with M bucketed to a
     power of two (fallback warnings and autotuning records are per signature).
     """
@@ -139,7 +138,6 @@ def build_problem(
     placement: str,
     splits: Sequence[int] | None,
     m_align_cap: int,
-    max_rows_groups: int,
     weight_list: bool,
     accumulate: bool,
     contiguous: bool,
@@ -149,10 +147,9 @@ def build_problem(
 
     ``recipe`` is resolved (its name, scale rule and gradient format go in); ``splits`` are
     the group sizes when they are on the host, None when they live on the device (never
-    read). ``m_align_cap`` and ``max_rows_groups`` are the registry's
-    (``Registry.max_m_multiple`` / ``max_rows_groups``): see ``split_facts``.
+    read). ``m_align_cap`` is the registry's ``Registry.max_m_multiple``: see ``split_facts``.
     """
-    m_align, max_rows = split_facts(splits, groups, m_align_cap=m_align_cap, max_rows_groups=max_rows_groups)
+    m_align, max_rows = split_facts(splits, m_align_cap=m_align_cap)
     return Problem(
         op=op,
         recipe=recipe.name,
@@ -177,15 +174,12 @@ def build_problem(
     )
 
 
-def split_facts(
-    splits: Sequence[int] | None, groups: int, *, m_align_cap: int, max_rows_groups: int
-) -> tuple[int, int | None]:
+def split_facts(splits: Sequence[int] | None, *, m_align_cap: int) -> tuple[int, int | None]:
     """``(m_align, max_rows)`` of host ``splits`` (None: device splits).
 
     ``m_align`` is capped at ``m_align_cap``, the largest row multiple a registered backend
-    asks for (1: no pass over the splits); ``max_rows`` (a pass over the splits) is only
-    computed when a registered padding backend takes ``groups`` groups
-    (``groups <= max_rows_groups``). Runs on every call: kept to one function call.
+    asks for (1: no pass over the splits for it). Runs on every call: kept to one function
+    call and one builtin ``max``.
     """
     if splits is None:
         return (0 if m_align_cap > 1 else 1), None
@@ -196,8 +190,6 @@ def split_facts(
         for s in splits:
             bits |= s
         m_align = m_align_cap if bits == 0 else min(bits & -bits, m_align_cap)
-    if groups > max_rows_groups:
-        return m_align, None
     top = max(splits, default=0)
     return m_align, 0 if top <= 0 else 1 << (top - 1).bit_length()
 

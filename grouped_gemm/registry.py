@@ -38,7 +38,6 @@ class Registry:
         self.failures: list[PluginFailure] = []
         self.epoch = 0
         self.max_m_multiple = 1
-        self.max_rows_groups = 0
         self._loaded = False
         self._listeners: list[Callable[[], None]] = []
 
@@ -87,10 +86,6 @@ class Registry:
     def _changed(self) -> None:
         self.epoch += 1
         self.max_m_multiple = max((e.spec.m_multiple for e in self._entries.values()), default=1)
-        # Problem.max_rows costs a pass over the splits: only when a padding backend could
-        # run that many groups.
-        padding = [e.spec.max_groups or 1 << 62 for e in self._entries.values() if e.spec.max_padding is not None]
-        self.max_rows_groups = max(padding, default=0)
 
     def _notify(self) -> None:
         for callback in self._listeners:

@@ -117,7 +117,6 @@ class Call:
             placement="cuda" if key.device.type == "cuda" else "cpu",
             splits=inputs.m_splits if key.host_splits else None,
             m_align_cap=reg.max_m_multiple,
-            max_rows_groups=reg.max_rows_groups,
             weight_list=key.weight_list,
             accumulate=key.accumulate,
             contiguous=key.contiguous,
@@ -175,9 +174,7 @@ def fwd_or_dgrad(
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
     reg = registry()
-    m_align, max_rows = split_facts(
-        splits if host else None, groups, m_align_cap=reg.max_m_multiple, max_rows_groups=reg.max_rows_groups
-    )
+    m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
     key = _new_key(
         CallKey,
         (
@@ -238,9 +235,7 @@ def wgrad(
         check_row_blocks(splits, host, (("dy", dy), ("x", x)))
     out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
     reg = registry()
-    m_align, max_rows = split_facts(
-        splits if host else None, groups, m_align_cap=reg.max_m_multiple, max_rows_groups=reg.max_rows_groups
-    )
+    m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
     key = _new_key(
         CallKey,
         (

@@ -96,6 +96,40 @@ def test_fastest_backend_is_chosen_and_reused(only, gen):
     assert gg.dispatch_stats()["autotune"]["tuned"] == 1
 
 
+class _SkewSensitive(TimedBackend):
+    """Fast on one kind of split only: ``fast_when_skewed`` says which (skew read from
+    ``Problem.max_rows``, the largest group as a power of two)."""
+
+    def __init__(self, name: str, *, fast_when_skewed: bool) -> None:
+        super().__init__(name)
+        self.fast_when_skewed = fast_when_skewed
+
+    def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
+        self.runs += 1
+        skewed = problem.max_rows * problem.groups > 2 * problem.m
+        return self._compute(problem, inputs, 0.0005 if skewed == self.fast_when_skewed else 0.004)
+
+
+def test_host_splits_of_one_shape_are_tuned_apart_when_one_is_skewed(only, gen):
+    """Balanced and skewed host splits of the same M bucket get their own measurement and
+    their own choice; every later call of either reuses its own."""
+    flat = _SkewSensitive("flat", fast_when_skewed=False)
+    peaky = _SkewSensitive("peaky", fast_when_skewed=True)
+    only(flat, peaky)
+    balanced, skewed = [16, 16, 16, 16], [61, 1, 0, 2]
+    x = torch.randn(64, 32, generator=gen)
+    w = torch.randn(4, 24, 32, generator=gen)
+    gg.configure(autotune=True)
+    for splits, chosen in ((balanced, "flat"), (skewed, "peaky"), (balanced, "flat"), (skewed, "peaky")):
+        y = gg.grouped_gemm(x, w, splits)
+        assert testing.rel_error(y, testing.ref_fwd(x, w, splits)) < 1e-5
+        decision = gg.explain(x, w, splits)
+        assert decision.selected == chosen, (splits, decision.table())
+    assert gg.dispatch_stats()["autotune"]["tuned"] == 2
+    keys = {autotune.tuning_key(gg.explain(x, w, s).problem) for s in (balanced, skewed)}
+    assert len(keys) == 2 and all("max_rows=" in k for k in keys)
+
+
 def test_choose_breaks_ties_by_declared_rank():
     rank = {"a": 0, "b": 1, "c": 2}
     t = [Timing("a", None, 1.01, 5), Timing("b", None, 1.0, 5), Timing("c", None, 0.5, 5, "pruned: probe")]
