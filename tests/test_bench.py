@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -457,3 +458,14 @@ def test_cpu_default_is_a_smoke_run_and_scale_1_is_full_size():
     )
     assert cpu.cases == tuple(shapes.select_cases("mixtral_down", 0.01))
     assert full.cases == tuple(shapes.select_cases("mixtral_down", 1.0)) and full.cases[0].m > 50 * cpu.cases[0].m
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_imports_and_parses_its_arguments(script):
+    """``--help`` runs a script's imports and argument parser: a name moved in the library
+    (``torch_device`` to ``tools``) broke benchmarks/autotune.py on the GPU host once."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
