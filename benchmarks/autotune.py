@@ -58,8 +58,8 @@ from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_case
 from grouped_gemm.bench.timing import CALL_ERRORS, TimingPlan, median, time_in_rounds
 from grouped_gemm.bench.tune import format_table, tune_one
 from grouped_gemm.clock import Clock
-from grouped_gemm.tools import torch_device
 from grouped_gemm.problem import OPS
+from grouped_gemm.tools import torch_device
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 MX_RECIPES = ("mxfp8", "mxfp4", "a8w4", "a16w4")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -464,8 +465,9 @@ def test_cpu_default_is_a_smoke_run_and_scale_1_is_full_size():
 def test_every_benchmark_script_imports_and_parses_its_arguments(script):
     """``--help`` runs a script's imports and argument parser: a name moved in the library
     (``torch_device`` to ``tools``) broke benchmarks/autotune.py on the GPU host once."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120
-    )
+    path = ROOT / "benchmarks" / script
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # some compile kernels
+    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "usage:" in done.stdout
+    if "argparse" in path.read_text():  # the others are modules of shared helpers
+        assert "usage:" in done.stdout
