@@ -81,6 +81,12 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     and 3-D operands every call passes (it runs twice per call); other ranks take the
     general test.
     """
+    shape = t.shape
+    if t.is_contiguous() and shape[0] > 1 and shape[-2] > 1 and (t.is_cpu or t.data_ptr() % _STRIDE_BYTES == 0):
+        # The common case in four C calls: contiguous with no size-1 dim among the leading
+        # ones has exactly the row-major strides, and eligibility makes its rows 16-byte
+        # multiples (N and K); a size-1 dim may carry any stride, so it takes the full test.
+        return t
     strides = t.stride()
     unit = _STRIDE_BYTES // t.element_size()
     ndim = len(strides)
@@ -94,7 +100,9 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     if rows_ok and (t.is_cpu or t.data_ptr() % _STRIDE_BYTES == 0):
         return t
     copy = t.contiguous()
-    if copy.data_ptr() % _STRIDE_BYTES and not copy.is_cpu:
+    # contiguous() hands back ``t`` itself when only a size-1 dim has an odd stride, and
+    # a base it did not move stays misaligned: both need a real copy.
+    if copy is t or (copy.data_ptr() % _STRIDE_BYTES and not copy.is_cpu):
         copy = t.clone(memory_format=torch.contiguous_format)
     return copy
 

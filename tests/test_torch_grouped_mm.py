@@ -392,6 +392,9 @@ def _layouts() -> dict[str, tuple[torch.Tensor, bool]]:
         "transposed 3-D": (base.transpose(1, 2), False),
         "3-D, odd group stride": (torch.randn(200).to(bf).as_strided((2, 4, 8), (36, 8, 1)), False),
         "rows overlapping": (torch.randn(64).to(bf).as_strided((4, 16), (8, 1)), False),
+        # is_contiguous() ignores the stride of a size-1 dim; torch's stride rule does not.
+        "one row, odd row stride": (torch.randn(64).to(bf).as_strided((1, 16), (21, 1)), False),
+        "one group, odd group stride": (torch.randn(200).to(bf).as_strided((1, 4, 8), (37, 8, 1)), False),
     }
 
 
@@ -403,3 +406,12 @@ def test_row_major_keeps_what_torch_takes_and_copies_the_rest(label):
     assert torch.equal(result, t)
     if not kept:
         assert result.is_contiguous()
+
+
+def test_a_one_row_view_with_an_odd_row_stride_runs(gen):
+    """is_contiguous() ignores a size-1 dim's stride, torch's stride rule does not: such an
+    x once reached torch unchanged and failed ("strides should be multiple of 16 bytes")."""
+    x = torch.randn(64, generator=gen).to(torch.bfloat16).as_strided((1, 16), (21, 1))
+    w = torch.randn(2, 24, 16, generator=gen).to(torch.bfloat16)
+    y = gg.grouped_gemm(x, w, [0, 1], backend="torch_grouped_mm")
+    assert_accurate(y, ref_fwd(x, w, [0, 1]))
