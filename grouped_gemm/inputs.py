@@ -76,6 +76,26 @@ class GroupedInputs:
         return ends
 
 
+#: Device ends of the latest host splits, per (splits, device, dtype, stream). A MoE layer's
+#: GEMMs share one ``m_splits`` (two or three forward, up to six backward), so all but the
+#: first skip the pinned copy. Keyed by stream: a tensor written on one stream is only
+#: read on that stream, so no reader can outrun its copy, and once dropped it goes back
+#: to the allocator on the stream that used it. Never filled under graph capture (a
+#: capture's memory belongs to its graph). Read-only for backends, like every input.
+_RECENT_ENDS: dict[tuple, torch.Tensor] = {}
+_RECENT_ENDS_MAX = 16
+
+
 def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy."""
-    return host_to_device(list(itertools.accumulate(splits)), device, dtype)
+    """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy
+    (none when the same splits were sent on this stream lately, on a GPU)."""
+    if device.type != "cuda" or type(splits) is not tuple or torch.cuda.is_current_stream_capturing():
+        return host_to_device(list(itertools.accumulate(splits)), device, dtype)
+    key = (splits, device, dtype, torch.cuda.current_stream(device).cuda_stream)
+    ends = _RECENT_ENDS.get(key)
+    if ends is None:
+        ends = host_to_device(list(itertools.accumulate(splits)), device, dtype)
+        if len(_RECENT_ENDS) >= _RECENT_ENDS_MAX:
+            _RECENT_ENDS.clear()  # bounded; a step's splits come back on its next call
+        _RECENT_ENDS[key] = ends
+    return ends

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grouped_gemm as gg
+from grouped_gemm import inputs as inputs_module
 from grouped_gemm import validation
 from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error
 
@@ -254,3 +255,38 @@ def test_offsets_reused_on_gpu_without_sync():
     assert torch.equal(dw, gg.grouped_gemm_wgrad(dy, x, dev))
     host = gg.offsets(splits, device=device)
     assert host.total == m and host.ends.cpu().tolist() == _reference(splits)
+
+
+@pytest.mark.gpu
+def test_host_splits_reused_on_a_stream_are_sent_once():
+    """The same host splits on the same stream: one pinned copy, then the cached ends; a
+    new stream, new splits or a graph capture send their own; results stay right."""
+    device = torch.device("cuda")
+    splits = [8, 0, 24, 32]
+    m, n, k = sum(splits), 64, 128
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    inputs_module._RECENT_ENDS.clear()
+    first = gg.grouped_gemm(x, w, splits)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = gg.grouped_gemm(x, w, list(splits))
+        torch.cuda.synchronize()
+    assert not [e for e in prof.events() if "Memcpy" in e.name], "the cached ends must not be copied again"
+    assert torch.equal(first, again) and len(inputs_module._RECENT_ENDS) == 1
+    assert rel_error(again, ref_fwd(x, w, splits)) < 1e-2
+    other = [32, 24, 0, 8]
+    assert rel_error(gg.grouped_gemm(x, w, other), ref_fwd(x, w, other)) < 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = gg.grouped_gemm(x, w, splits)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, first) and len(inputs_module._RECENT_ENDS) == 3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gg.grouped_gemm(x, w, splits)
+    assert len(inputs_module._RECENT_ENDS) == 3, "nothing is cached under capture"
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, first)
