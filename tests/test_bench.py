@@ -201,6 +201,8 @@ def test_cpu_smoke_run_writes_table_json_and_markdown(tmp_path, capsys):
     for r in refs:
         assert r["status"] == "ok" and r["sqnr_db"] >= r["sqnr_floor_db"] > 40
         assert len(r["times_ms"]) >= 2 and r["median_ms"] > 0 and r["tflops"] > 0 and r["vs_peer"] > 0
+        # On the CPU a call is synchronous: its host time is its wall time, give or take.
+        assert 0.5 * r["median_ms"] * 1e3 < r["host_us"] < 2.0 * r["median_ms"] * 1e3
         assert r["flops"] == 2 * r["m"] * r["n"] * r["k"] and (r["groups"], r["n"], r["k"]) == (8, 64, 160)
     md = out_md.read_text()
     assert "| case | G | M | N | K | splits | op | recipe | torch._grouped_mm |" in md and "Command:" in md

@@ -100,6 +100,7 @@ def _row_cells(r: Row, peer: Row | None) -> list[str]:
     return [
         r.backend,
         _sig(r.median_ms) + mark,
+        _num(r.host_us),
         _sig(r.tflops) + mark,
         _sig(r.gbs) + mark,
         _num(r.pct_of_ceiling) + (mark or over),
@@ -121,7 +122,22 @@ def _recipe_cell(r: Row) -> str:
 
 def table(rows: list[Row]) -> str:
     """Fixed-width table, one line per backend and problem (problem columns on its first line)."""
-    head = ["case", "G", "M", "N", "K", "splits", "op", "recipe", "backend", "ms", "TFLOP/s", "GB/s", "%ceil"]
+    head = [
+        "case",
+        "G",
+        "M",
+        "N",
+        "K",
+        "splits",
+        "op",
+        "recipe",
+        "backend",
+        "ms",
+        "host us",
+        "TFLOP/s",
+        "GB/s",
+        "%ceil",
+    ]
     out = [[*head, "vs peer", "SQNR dB", "check"]]
     peers = {_problem_key(r): r for r in rows if r.role == "peer"}
     last = None
@@ -132,7 +148,7 @@ def table(rows: list[Row]) -> str:
         problem = [r.case, str(r.groups), str(r.m), str(r.n), str(r.k), r.splits, r.op, _recipe_cell(r)]
         out.append((problem if first else [""] * len(problem)) + _row_cells(r, peers.get(key)))
     widths = [max(len(line[i]) for line in out) for i in range(len(out[0]))]
-    numeric = set(range(1, 5)) | set(range(9, 15))
+    numeric = set(range(1, 5)) | set(range(9, 16))
     lines = []
     for line in out:
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]

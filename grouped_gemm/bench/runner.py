@@ -89,6 +89,7 @@ class Row:
     times_ms: list[float] = dataclasses.field(default_factory=list)
     round_medians_ms: list[float] = dataclasses.field(default_factory=list)
     median_ms: float | None = None
+    host_us: float | None = None  # median host time per timed call (dispatch and launches)
     tflops: float | None = None
     gbs: float | None = None
     pct_of_ceiling: float | None = None
@@ -205,6 +206,7 @@ def _time(contenders: list[Contender], device: torch.device, plan: TimingPlan) -
             c.row.status, c.row.note = "error", _error_note(timed.error)
         else:
             c.row.times_ms, c.row.round_medians_ms = timed.times_ms, timed.round_medians_ms
+            c.row.host_us = median(timed.host_us) if timed.host_us else None
 
 
 def _finish(c: Contender, ceilings: Ceilings, live_groups: int) -> None:

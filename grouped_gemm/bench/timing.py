@@ -8,7 +8,9 @@ H200: one long block each puts the clock's step-down under load on whoever runs 
 (+-10 % between two backends running the same kernel), and alternating single calls
 puts the cost of following a launch-bound neighbour on the next one (up to 20 %).
 Calls within a block run back to back, so when the host cannot keep the GPU busy the
-launch gap -- dispatch included -- is part of the time, as it is for a user.
+launch gap -- dispatch included -- is part of the time, as it is for a user. The host's
+own share is timed too: ``perf_counter`` around each timed call, no sync inside, is
+what the call costs the host (dispatch and launches), however long the GPU takes.
 ``fn(i)`` runs one call on operand set ``i``.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,11 +59,12 @@ class TimingPlan:
 
 @dataclasses.dataclass
 class Timed:
-    """One contender's timed calls (ms, in call order) and each round's median, or the
-    exception it raised."""
+    """One contender's timed calls (ms, in call order), each round's median and the host
+    time of each timed call (us), or the exception it raised."""
 
     times_ms: list[float] = dataclasses.field(default_factory=list)
     round_medians_ms: list[float] = dataclasses.field(default_factory=list)
+    host_us: list[float] = dataclasses.field(default_factory=list)
     error: Exception | None = None
 
 
@@ -93,20 +97,24 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
             break
         for j in live[r % len(live) :] + live[: r % len(live)]:
             warmup, reps = plan.block(estimates[j], first=r == 0)
-            stamps = []
+            stamps, host = [], []
             try:
                 for i in range(warmup + reps):
                     start = clock.stamp()
+                    began = time.perf_counter()
                     calls[j]((offsets[j] + i) % sets[j])
+                    spent = time.perf_counter() - began
                     end = clock.stamp()
                     if i >= warmup:
                         stamps.append((start, end))
+                        host.append(spent * 1e6)
                 clock.sync()
             except CALL_ERRORS as exc:  # reported per contender; the others go on
                 out[j].error = exc
                 continue
             times = [clock.ms(s, e) for s, e in stamps]
             out[j].times_ms += times
+            out[j].host_us += host
             out[j].round_medians_ms.append(statistics.median(times))
     return out
 
