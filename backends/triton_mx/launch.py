@@ -411,9 +411,10 @@ def launch_wgrad(
     accumulate: bool,
     config: WgradConfig | None = None,
 ) -> torch.Tensor:
-    """``out[g] (+)= dy_g^T @ x_g`` over the padded token layout: MX operands (dot_scaled;
-    dy and x may differ in format, e.g. E5M2 gradients and E4M3 activations) or their bf16
-    decodes (plain dot)."""
+    """``out[g] (+)= dy_g^T @ x_g`` over the group ends ``padded_ends``: MX operands in the
+    padded token layout (dot_scaled; dy and x may differ in format, e.g. E5M2 gradients and
+    E4M3 activations), or bf16 / fp16 tensors (plain dot: their decodes, or ``triton_grouped``'s
+    operands with unpadded ends)."""
     mx = isinstance(dy, MXTensor)
     dyd, xd = (_u8(dy.data), _u8(x.data)) if mx else (dy, x)
     dys, xs = (dy.scale, x.scale) if mx else (dy, x)
