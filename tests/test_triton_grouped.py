@@ -117,12 +117,15 @@ def test_wgrad_accumulates_into_fp32_main_grad(device_splits, dtype, gen):
 
 
 @needs_interpreter
-def test_wgrad_accumulate_without_rows_leaves_out_untouched(gen):
+def test_wgrad_without_rows(gen):
+    """M = 0: accumulating leaves out untouched, otherwise it is all zeros."""
     dy, x = torch.zeros(0, 16, dtype=torch.bfloat16), torch.zeros(0, 24, dtype=torch.bfloat16)
     main_grad = torch.randn(3, 16, 24, generator=gen)
     before = main_grad.clone()
     _call("wgrad", dy, x, [0, 0, 0], out=main_grad, out_dtype=torch.float32, accumulate=True)
     assert torch.equal(main_grad, before)
+    _call("wgrad", dy, x, [0, 0, 0], out=poison(main_grad), out_dtype=torch.float32)
+    assert torch.equal(main_grad, torch.zeros_like(main_grad))
 
 
 @needs_interpreter
@@ -155,10 +158,13 @@ def _reasons(**described):
         ({"k": 36}, "K=36 is not a multiple of 8"),
         ({"groups": 1025, "m": 2048}, "G=1025 exceeds the maximum 1024"),
         ({"recipe": "fp16", "out_dtype": "bfloat16"}, "out dtype bfloat16 from float16"),
+        # Less shared memory than the 4-stage tiles need.
+        ({"device": "sm_89"}, "arch sm_89 not supported"),
+        ({"device": "gfx942"}, "device vendor rocm not supported"),
     ],
 )
 def test_refuses_with_a_reason(described, reason):
-    assert reason in _reasons(device="cpu", **described)
+    assert reason in _reasons(**{"device": "cpu", **described})
 
 
 def test_declares_no_fp32_operands():

@@ -48,8 +48,10 @@ class TritonGroupedBackend(Backend):
         recipes=frozenset({"bf16", "fp16"}),
         dtypes=frozenset({"bfloat16", "float16"}),
         out_dtypes=frozenset({"bfloat16", "float16", "float32"}),
-        vendors=frozenset({"cpu", "cuda", "rocm"}),
-        archs=("cpu", "sm_8*", "sm_9*", "sm_10*", "sm_12*", "gfx9*"),
+        # Chips with at least 160 KB of shared memory per SM, which the 4-stage tiles of
+        # launch.grouped_config need (about 100-130 KB per program). Not ROCm: 64 KB of LDS.
+        vendors=frozenset({"cpu", "cuda"}),
+        archs=("cpu", "sm_80", "sm_90", "sm_100", "sm_103"),
         n_multiple=ALIGNMENT,
         k_multiple=ALIGNMENT,
         # MAX_G entries of the tile schedule live in registers (as in the MX backends).
@@ -80,6 +82,8 @@ class TritonGroupedBackend(Backend):
         out = inputs.output(problem)
         device = inputs.a.device
         if problem.op == "wgrad":
+            if not problem.m:  # no rows to launch over (and no operand memory to point at)
+                return out if problem.accumulate else out.zero_()
             ends = inputs.offsets(device)
             return launch.launch_wgrad(inputs.a, inputs.b, ends, out, problem.groups, problem.accumulate)
         if problem.m:

@@ -170,7 +170,7 @@ def grouped_config(m: int, groups: int) -> GroupedConfig:
         return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
     mean_rows = m / max(groups, 1)
     if mean_rows <= 16:
-        return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=4, per_sm=2)
+        return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=3, per_sm=2)
     if mean_rows <= 64:
         return GroupedConfig(bm=64, bn=128, bk=64, warps=4, stages=4, per_sm=2)
     return GroupedConfig(bm=128, bn=128, bk=64, warps=8, stages=4, per_sm=1)
