@@ -13,7 +13,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.backends.triton_mx import TritonGroupedBackend, grouped, launch
-from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error, sqnr_db
+from grouped_gemm.testing import output_floor_db, poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error, sqnr_db
 
 NAME = "triton_grouped"
 #: fp32 results of bf16 / fp16 products summed in fp32: only the summation order differs.
@@ -214,22 +214,29 @@ def test_cpu_priority_below_reference():
 
 # --- GPU ----------------------------------------------------------------------------------
 
-GPU_MIN_SQNR = 60.0
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("m", [80, 400, 3000], ids=["bm16", "bm64", "bm128"])
 @pytest.mark.parametrize("splits", ["balanced", "skewed_with_empty"])
-def test_gpu_matches_torch_grouped_mm(op, splits, gen):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_matches_float64_and_torch_grouped_mm(op, m, splits, dtype, gen):
+    """Every tile configuration (by mean rows per group): an fp32 result against float64 at
+    the same-function floor (60 dB); a bf16 result against torch._grouped_mm's at the bf16
+    output floor (both round the same fp32 sums once)."""
     device = torch.device("cuda")
-    g, m, n, k = 8, 3000, 1024, 512
+    g, n, k = 8, 1024, 512
     sizes = gg.balanced_splits(g, m) if splits == "balanced" else gg.skewed_splits(g, m)
     if splits != "balanced":
         sizes = [0, *sizes[1:-1], sizes[0] + sizes[-1]]
-    a, b = _operands(op, sizes, n, k, torch.bfloat16, gen, device)
-    got = _call(op, a, b, torch.tensor(sizes, device=device))
-    want = _call(op, a, b, sizes, backend="torch_grouped_mm")
-    assert sqnr_db(got, want) >= GPU_MIN_SQNR
+    a, b = _operands(op, sizes, n, k, dtype, gen, device)
+    device_sizes = torch.tensor(sizes, device=device)
+    got = _call(op, a, b, device_sizes, out_dtype=torch.float32)
+    assert sqnr_db(got, _reference(op, a, b, sizes)) >= output_floor_db("float32")
+    if dtype == torch.bfloat16:
+        got = _call(op, a, b, device_sizes)
+        want = _call(op, a, b, sizes, backend="torch_grouped_mm")
+        assert sqnr_db(got, want) >= output_floor_db("bfloat16")
 
 
 @pytest.mark.gpu
