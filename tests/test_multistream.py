@@ -16,6 +16,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm.backends import multistream
 from grouped_gemm.backends.multistream import ENV_STREAMS, MultistreamBackend
+from grouped_gemm.backends.triton_mx import launch
 from grouped_gemm.device import emulated
 from grouped_gemm.dispatch import decide
 from grouped_gemm.testing import poison, random_splits, ref_dgrad, ref_fwd, ref_wgrad, sqnr_db
@@ -88,17 +89,23 @@ def test_capture_is_refused_and_device_splits_name_the_sync():
     assert "sync" in device_reasons[1].message
 
 
-def test_ranks_below_torch_grouped_mm_and_takes_what_it_cannot_do():
+def test_ranks_below_the_grouped_kernels_and_takes_what_they_cannot_do(monkeypatch):
+    """Below torch_grouped_mm and triton_grouped (judged as compiled Triton on a GPU judges
+    it, not as this machine's interpreter), so it gets fp32 operands, unaligned N / K and
+    archs neither declares."""
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+
     def chosen(**described) -> str:
         described = {"op": "fwd", "groups": 32, "m": 16384, "n": 4096, "k": 7168, "device": "sm_90", **described}
         return gg.explain(**described).selected
 
     assert chosen() == "torch_grouped_mm"
     assert chosen(groups=8, n=28672, k=4096) == "torch_grouped_mm"
-    assert chosen(recipe="fp16") == NAME
-    assert chosen(out_dtype="float32") == NAME
-    assert chosen(op="wgrad", out_dtype="float32", accumulate=True) == NAME
-    assert chosen(device="sm_80") == NAME
+    for grouped in ({"recipe": "fp16"}, {"out_dtype": "float32"}, {"device": "sm_80"}):
+        assert chosen(**grouped) == "triton_grouped"
+    assert chosen(op="wgrad", out_dtype="float32", accumulate=True) == "triton_grouped"
+    assert chosen(recipe="fp32") == NAME
+    assert chosen(device="sm_89") == NAME
     assert chosen(k=7004) == NAME
 
 

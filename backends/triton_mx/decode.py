@@ -237,9 +237,9 @@ def e4m3_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
 
 @triton.jit
 def bf16_dot(a, b, acc, INTERP: tl.constexpr):
-    """``tl.dot`` of bf16 tiles into an fp32 accumulator. Triton's interpreter multiplies
-    bf16 tiles as their raw 16-bit patterns, so there both are widened to fp32 first (the
-    products of bf16 numbers are exact in fp32 either way)."""
+    """``tl.dot`` of bf16 (or fp16) tiles into an fp32 accumulator. Triton's interpreter
+    multiplies bf16 tiles as their raw 16-bit patterns, so there both are widened to fp32
+    first (the products of 16-bit floats are exact in fp32 either way)."""
     if INTERP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)

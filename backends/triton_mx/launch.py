@@ -22,6 +22,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     dequant_kernel,
     quantize_decode_kernel,
 )
+from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -141,6 +142,76 @@ def launch_upcast(
         PTX=ptx_decode(a.device),
         FOLD=w.small_scales,
         W_FMT=w.fmt,
+        INTERP=interpreted(),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Tiles of the plain bf16 / fp16 grouped kernel: rows (BM), output columns (BN),
+    contraction step (BK), warps, pipeline stages, programs per SM."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    per_sm: int
+
+
+def grouped_config(m: int, groups: int) -> GroupedConfig:
+    """The default configuration of the plain grouped kernel. Not yet measured on a GPU:
+    128 x 128 x 64 tiles for large groups (the usual Hopper bf16 GEMM tile), smaller row
+    tiles when the mean group is small, so few-token experts waste fewer masked rows."""
+    if interpreted():
+        return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
+    mean_rows = m / max(groups, 1)
+    if mean_rows <= 16:
+        return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=3, per_sm=2)
+    if mean_rows <= 64:
+        return GroupedConfig(bm=64, bn=128, bk=64, warps=4, stages=4, per_sm=2)
+    return GroupedConfig(bm=128, bn=128, bk=64, warps=8, stages=4, per_sm=1)
+
+
+def launch_grouped(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    splits: torch.Tensor,
+    out: torch.Tensor,
+    transpose_w: bool,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """``out[rows of g] = a[rows of g] @ w[g]^T`` (``transpose_w``: fwd, ``w`` (G, N, K)) or
+    ``@ w[g]`` (dgrad) with bf16 / fp16 ``a`` and ``w`` and unit column strides."""
+    m, groups = a.shape[0], w.shape[0]
+    n_out, k_red = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
+    # Weight strides as (group, contraction, output column).
+    stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
+    cfg = config or grouped_config(m, groups)
+    most_tiles = (triton.cdiv(m, cfg.bm) + groups) * triton.cdiv(n_out, cfg.bn)
+    programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
+    grouped_kernel[(programs,)](
+        a,
+        a.stride(0),
+        w,
+        w.stride(0),
+        stride_wc,
+        stride_wo,
+        out,
+        out.stride(0),
+        splits,
+        groups,
+        n_out,
+        k_red,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        BK=cfg.bk,
+        MAX_G=max_groups_bucket(groups),
+        NUM_PROGS=programs,
+        EVEN_K=k_red % cfg.bk == 0,
         INTERP=interpreted(),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
@@ -340,9 +411,10 @@ def launch_wgrad(
     accumulate: bool,
     config: WgradConfig | None = None,
 ) -> torch.Tensor:
-    """``out[g] (+)= dy_g^T @ x_g`` over the padded token layout: MX operands (dot_scaled;
-    dy and x may differ in format, e.g. E5M2 gradients and E4M3 activations) or their bf16
-    decodes (plain dot)."""
+    """``out[g] (+)= dy_g^T @ x_g`` over the group ends ``padded_ends``: MX operands in the
+    padded token layout (dot_scaled; dy and x may differ in format, e.g. E5M2 gradients and
+    E4M3 activations), or bf16 / fp16 tensors (plain dot: their decodes, or ``triton_grouped``'s
+    operands with unpadded ends)."""
     mx = isinstance(dy, MXTensor)
     dyd, xd = (_u8(dy.data), _u8(x.data)) if mx else (dy, x)
     dys, xs = (dy.scale, x.scale) if mx else (dy, x)

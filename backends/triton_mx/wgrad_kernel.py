@@ -1,7 +1,9 @@
 """Grouped weight-gradient kernel: ``dw_g = dy_g^T @ x_g``, contraction over each group's tokens.
 
-Both operands come in the padded token layout: every group's rows start at a multiple of 32
-(``PEnds`` are the padded cumulative ends, on the device) and the padding rows are zeros.
+``PEnds`` are the cumulative group ends, on the device. With MX formats both operands
+come in the padded token layout: every group's rows start at a multiple of 32 (the scale
+blocks) and the padding rows are zeros. The plain ``"bf16"`` path (bf16 or fp16 tiles)
+masks every token at the group's end, so it also takes unpadded ends (``triton_grouped``).
 With MX formats (``DY_FMT`` / ``X_FMT``: E2M1, E4M3 or E5M2) the operands are quantized
 along the tokens (E2M1 data packed two tokens per byte, (Mp/2, N) and (Mp/2, K); the 8-bit
 formats one token per byte; scales (Mp/32, N), (Mp/32, K)) and the product is
@@ -45,7 +47,7 @@ def _step(
     X_FMT: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """BT tokens of the contraction (a multiple of 32, starting on a 32-row boundary)."""
+    """BT tokens of the contraction from ``t0`` (MX: a multiple of 32 from a 32-row boundary)."""
     DY_PER_BYTE: tl.constexpr = 2 if DY_FMT == "e2m1" else 1
     X_PER_BYTE: tl.constexpr = 2 if X_FMT == "e2m1" else 1
     dy_tok = t0 // DY_PER_BYTE + tl.arange(0, BT // DY_PER_BYTE)

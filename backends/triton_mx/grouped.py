@@ -1,0 +1,92 @@
+"""The ``triton_grouped`` backend: the Triton MX package's persistent kernels on plain bf16 /
+fp16 operands, with fp32 results allowed.
+
+fwd and dgrad run ``grouped_kernel`` (the MX kernels' device tile schedule and contraction
+loop, ``tl.dot`` on 16-bit tiles); wgrad runs the MX package's ``wgrad_grouped_kernel``
+on its plain-dot path, which takes unpadded group ends. Every call is one launch reading
+the splits on the device: no host sync, CUDA-graph capturable. What it adds over the
+other bf16 backends is wgrad with ``accumulate=True`` into an fp32 ``out`` (Megatron's
+``main_grad``): ``torch._grouped_mm`` cannot write fp32 and ``multistream`` reads the
+splits on the host, one GEMM per group.
+
+Priority: chosen where it wins and only there; GPU measurement is pending. So on GPUs it
+ranks below ``torch_grouped_mm`` (50), which stays the default wherever it is eligible
+(bf16 -> bf16), and above ``multistream`` (20), so that fp32 results, fp32 accumulation
+and fp16 (which ``torch_grouped_mm`` refuses on GPUs) come here. On a CPU device the
+interpreter is a test vehicle only: it ranks below ``reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
+from grouped_gemm.backends.triton_mx import launch
+
+#: Between ``multistream`` (20) and ``torch_grouped_mm`` (50) on GPUs; see the module docstring.
+PRIORITY = 30
+#: Below ``reference`` (0): on the CPU the kernels run in Triton's interpreter, for tests.
+CPU_PRIORITY = -1
+#: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
+#: kernels are correct for any N and K; unaligned rows are left to the other backends.
+ALIGNMENT = 8
+#: Weight offsets within one group (``n * k``) are int32 in the kernels.
+_MAX_WEIGHT_ELEMENTS = 2**31 - 1
+
+
+class TritonGroupedBackend(Backend):
+    """Persistent Triton grouped GEMM on bf16 / fp16 operands (fwd, dgrad, wgrad)."""
+
+    spec = BackendSpec(
+        name="triton_grouped",
+        version=__version__,
+        description="persistent Triton bf16/fp16 grouped GEMM, fp32 results and fp32 wgrad accumulation; "
+        "device splits, capturable. Priority 30: below torch_grouped_mm, above multistream "
+        "(chosen where it wins and only there; measurement pending)",
+        ops=frozenset({"fwd", "dgrad", "wgrad"}),
+        # fp32 is not offered: tl.dot on fp32 tiles multiplies in tf32.
+        recipes=frozenset({"bf16", "fp16"}),
+        dtypes=frozenset({"bfloat16", "float16"}),
+        out_dtypes=frozenset({"bfloat16", "float16", "float32"}),
+        # Chips with at least 160 KB of shared memory per SM, which the 4-stage tiles of
+        # launch.grouped_config need (about 100-130 KB per program). Not ROCm: 64 KB of LDS.
+        vendors=frozenset({"cpu", "cuda"}),
+        archs=("cpu", "sm_80", "sm_90", "sm_100", "sm_103"),
+        n_multiple=ALIGNMENT,
+        k_multiple=ALIGNMENT,
+        # MAX_G entries of the tile schedule live in registers (as in the MX backends).
+        max_groups=1024,
+        host_splits=False,
+        accumulate=True,
+        weight_list=False,
+        non_contiguous=False,
+        deterministic=True,
+        priority=PRIORITY,
+    )
+
+    def check(self, problem: Problem) -> list[Reason]:
+        reasons = launch.placement_reasons(problem)
+        if problem.out_dtype not in (problem.a_format, "float32"):
+            reasons.append(
+                Reason("dtype", f"out dtype {problem.out_dtype} from {problem.a_format}; writes that dtype or float32")
+            )
+        if problem.n * problem.k > _MAX_WEIGHT_ELEMENTS:
+            reasons.append(Reason("shape", f"N*K={problem.n * problem.k} per group exceeds int32 offsets"))
+        return reasons
+
+    def priority(self, problem: Problem) -> int:
+        """``PRIORITY`` on GPUs, ``CPU_PRIORITY`` on a CPU device."""
+        return CPU_PRIORITY if problem.device.vendor == "cpu" else self.spec.priority
+
+    def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+        out = inputs.output(problem)
+        device = inputs.a.device
+        if problem.op == "wgrad":
+            if not problem.m:  # no rows to launch over (and no operand memory to point at)
+                return out if problem.accumulate else out.zero_()
+            ends = inputs.offsets(device)
+            return launch.launch_wgrad(inputs.a, inputs.b, ends, out, problem.groups, problem.accumulate)
+        if problem.m:
+            splits = launch.device_splits(inputs.m_splits, device)
+            launch.launch_grouped(inputs.a, inputs.b, splits, out, transpose_w=problem.op == "fwd")
+        return out

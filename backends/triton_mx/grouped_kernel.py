@@ -1,0 +1,90 @@
+"""Persistent grouped kernel on plain bf16 / fp16 operands: fwd and dgrad of ``triton_grouped``.
+
+``out[rows of g, :] = a[rows of g, :] @ B_g`` where ``B_g`` is the (contraction, output
+column) view of weight ``g``: fwd reads ``w[g]`` (N, K) transposed, dgrad reads it as it
+is; only the two weight strides passed in differ. The tile schedule is the MX kernels'
+(``schedule``: group sizes read on the device, empty groups own no tiles) and the loop is
+their ``contraction.contract``; the step is a masked load of both tiles and one ``tl.dot``
+into fp32, so any N and K give the right answer (the backend's alignment is about fast
+loads, not correctness).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from grouped_gemm.backends.triton_mx.contraction import contract
+from grouped_gemm.backends.triton_mx.decode import bf16_dot
+from grouped_gemm.backends.triton_mx.schedule import group_table, locate
+
+
+@triton.jit
+def _step(
+    acc,
+    k,
+    a_rows,
+    w_cols,
+    stride_wc,
+    m_ok,
+    n_ok,
+    k_red,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Contraction elements ``k .. k + BK``: the (BM, BK) activation tile times the (BK, BN)
+    weight tile, added to the fp32 ``acc``."""
+    kk = k + tl.arange(0, BK)
+    if EVEN_K:
+        a_ok = m_ok[:, None]
+        w_ok = n_ok[None, :]
+    else:
+        k_ok = kk < k_red
+        a_ok = m_ok[:, None] & k_ok[None, :]
+        w_ok = n_ok[None, :] & k_ok[:, None]
+    a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok, other=0.0)
+    w = tl.load(w_cols[None, :] + kk[:, None] * stride_wc, mask=w_ok, other=0.0)
+    return bf16_dot(a, w, acc, INTERP)
+
+
+@triton.jit
+def grouped_kernel(
+    A,
+    stride_am,
+    W,
+    stride_wg,
+    stride_wc,
+    stride_wo,
+    Out,
+    stride_om,
+    Splits,
+    num_groups,
+    n_out,
+    k_red,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    MAX_G: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``NUM_PROGS`` programs walk the tiles of all groups; ``A`` and ``Out`` have unit column
+    strides, ``W`` is addressed by group, contraction and output-column strides."""
+    col_tiles = tl.cdiv(n_out, BN)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
+    total = tl.sum(tiles, 0)
+    t = tl.program_id(0)
+    while t < total:
+        g, start, count, rm, rn = locate(t, gi, starts, rows, tiles, tile_end, BM, BN)
+        m_ok = rm < count
+        n_ok = rn < n_out
+        a_rows = A + (start + rm).to(tl.int64) * stride_am
+        w_cols = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wo
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        tile = (a_rows, w_cols, stride_wc, m_ok, n_ok, k_red)
+        acc = contract(_step, acc, 0, k_red, BK, tile, (BK, EVEN_K, INTERP), INTERP)
+        out = Out + (start + rm).to(tl.int64)[:, None] * stride_om + rn[None, :]
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        t += NUM_PROGS
