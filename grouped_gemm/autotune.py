@@ -63,6 +63,12 @@ CLOSE_MARGIN = 0.10
 #: At most this many close contenders (the fastest first) are timed interleaved; others
 #: as close keep their round medians and are pruned.
 CLOSE_MAX = 3
+#: A close contender displaces the declared-rank-first one only if it is faster in at least
+#: this share of their A B / B A block pairs (drift cancels within a pair). On the H200
+#: (2026-12-04) one backend's time on dsv3_gateup_ep8 bf16 wgrad swung 1.56-1.79 ms
+#: between rounds, and a 2.6 % lead in a close call picked a backend the separate timing
+#: put 12 % behind: a lead that flips from pair to pair is not one.
+CONSISTENT_WINS = 0.75
 #: More configs than this from one backend are a plugin bug (tuning cost explodes).
 MAX_CONFIGS = 32
 #: Elements compared per chunk, so agreement checks need no float64 copy of a result.
@@ -213,17 +219,32 @@ def agreement_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     return -math.inf if signal == 0.0 else 10.0 * math.log10(signal / noise)
 
 
-def choose(timings: Sequence[Timing], rank: Mapping[str, int], margin: float | None = None) -> Timing | None:
+def choose(
+    timings: Sequence[Timing], rank: Mapping[str, int], margin: float | None = None, ties: Sequence[str] = ()
+) -> Timing | None:
     """The winner among usable timings of backends in ``rank`` (name -> declared rank,
     lower first): the fastest, or among those within ``margin`` (default ``TIE_MARGIN``)
-    of it the best-ranked backend (its first listed config). None if none is usable."""
+    of it the best-ranked backend (its first listed config). ``ties`` (labels, from a
+    close call) are one more tie: when the fastest is among them, all of them compete on
+    rank too. None if none is usable."""
     margin = TIE_MARGIN if margin is None else margin
     usable = [(i, t) for i, t in enumerate(timings) if t.usable and t.backend in rank]
     if not usable:
         return None
     best = min(t.ms for _, t in usable)
     tied = [(i, t) for i, t in usable if t.ms <= best * (1.0 + margin)]
+    if any(t.label in ties for _, t in tied):
+        tied += [(i, t) for i, t in usable if t.label in ties and (i, t) not in tied]
     return min(tied, key=lambda it: (rank[it[1].backend], it[0]))[1]
+
+
+def pair_wins(mine: Sequence[Sequence[float]], ref: Sequence[Sequence[float]]) -> float:
+    """The share of ``interleave``'s A B / B A block pairs in which ``mine`` was faster than
+    ``ref``: per pair the geometric mean of the two block ratios (block medians), in
+    which a drift shared by the pair cancels. 0.0 without a full pair."""
+    ratios = [_median(list(a)) / _median(list(b)) for a, b in zip(mine, ref, strict=True)]
+    pairs = [ratios[i] * ratios[i + 1] for i in range(0, len(ratios) - 1, 2)]
+    return sum(p < 1.0 for p in pairs) / len(pairs) if pairs else 0.0
 
 
 def tuning_key(problem: Problem) -> str:
@@ -394,7 +415,7 @@ class Tuner:
         if tuning is None or not {c.name for c in eligible} <= tuning.backends():
             return dataclasses.replace(decision, tune_pending=not problem.capturing and problem.device.detected)
         rank = {c.name: i for i, c in enumerate(eligible)}
-        chosen = choose(tuning.timings, rank)
+        chosen = choose(tuning.timings, rank, ties=tuning.close_call.ties if tuning.close_call else ())
         if chosen is None:
             return dataclasses.replace(decision, tuning=tuning)
         if tuning.origin == "loaded":
@@ -450,7 +471,7 @@ class Tuner:
             timings = tuple(excluded + [c.timing() for c in contenders])
             order = {c.name: i for i, c in enumerate(eligible)}
             timings = tuple(sorted(timings, key=lambda t: order[t.backend]))
-            chosen = choose(timings, order)
+            chosen = choose(timings, order, ties=close_call.ties if close_call else ())
             tuning = Tuning(
                 key=tuning_key(problem),
                 problem=str(problem),
@@ -599,8 +620,18 @@ class Tuner:
         for c, per_block, ms in zip(chosen, blocks, paired_ms(blocks), strict=True):
             c.times = [ms for block in per_block for ms in block]
             c.paired_ms = ms
+        first = min(range(len(chosen)), key=lambda j: timed.index(chosen[j]))  # declared rank
+        ties = [chosen[first].label] + [
+            c.label
+            for j, c in enumerate(chosen)
+            if j != first and pair_wins(blocks[j], blocks[first]) < CONSISTENT_WINS
+        ]
         return CloseCall(
-            tuple(close), tuple(medians[label] for label in close), CLOSE_MARGIN, sum(c.calls for c in chosen) - before
+            tuple(close),
+            tuple(medians[label] for label in close),
+            CLOSE_MARGIN,
+            sum(c.calls for c in chosen) - before,
+            tuple(ties) if len(ties) > 1 else (),
         )
 
     # --- statistics ---------------------------------------------------------------

@@ -78,20 +78,24 @@ class CloseCall:
     medians (``rounds_ms``); they were then timed alternating in short blocks, so that
     drift hits them alike. Their times in ``Tuning.timings`` come from that: the first
     one's median, the others' its median times their block-by-block ratio to it.
-    ``calls`` is what that took, untimed calls included.
+    ``calls`` is what that took, untimed calls included. ``ties``: the declared-rank-first
+    of them and those that did not beat it consistently (``autotune.CONSISTENT_WINS``),
+    which rank as a tie, so declared priority picks among them; empty when none.
     """
 
     labels: tuple[str, ...]
     rounds_ms: tuple[float, ...]
     margin: float
     calls: int
+    ties: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for ``explain`` and ``grouped-gemm tune``."""
         rounds = " / ".join(f"{label} {ms:.4g}" for label, ms in zip(self.labels, self.rounds_ms, strict=True))
+        tie = f"; not told apart consistently, so a tie: {' / '.join(self.ties)}" if self.ties else ""
         return (
             f"close call: {rounds} ms in the rounds (within {100 * self.margin:.0f} %), "
-            f"re-timed interleaved: +{self.calls} calls"
+            f"re-timed interleaved: +{self.calls} calls{tie}"
         )
 
 
@@ -168,7 +172,8 @@ def _close_call(value: Any) -> CloseCall | None:
     rounds_ms = tuple(float(ms) for ms in value["rounds_ms"])
     if len(labels) != len(rounds_ms):
         raise ValueError("a close call needs one rounds time per label")
-    return CloseCall(labels, rounds_ms, float(value["margin"]), int(value["calls"]))
+    ties = tuple(str(label) for label in value.get("ties", ()))
+    return CloseCall(labels, rounds_ms, float(value["margin"]), int(value["calls"]), ties)
 
 
 def _config(value: Any) -> Config | None:

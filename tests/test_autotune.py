@@ -172,6 +172,49 @@ def test_a_close_call_is_timed_again_interleaved_and_the_faster_wins(only, gen, 
     assert stored[decision.tuning.key].close_call == close and isinstance(close, CloseCall)
 
 
+class _Jittery(TimedBackend):
+    """``delay`` on average, but 6 % slower or faster in runs of ``period`` calls: a lead
+    of 1 % over a steady neighbour flips from block pair to block pair."""
+
+    def __init__(self, name: str, *, delay: float, clock: FakeClock, period: int) -> None:
+        super().__init__(name, delay=delay, clock=clock)
+        self.period = period
+
+    def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
+        self.runs += 1
+        jitter = 0.06 if (self.runs // self.period) % 2 else -0.06
+        return self._compute(problem, inputs, self.delay * (1.0 + jitter))
+
+
+def test_a_lead_that_flips_between_block_pairs_is_a_tie_for_priority(only, gen, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    steady = TimedBackend("steady", delay=0.001, priority=10, clock=clock)
+    jittery = _Jittery("jittery", delay=0.00099, clock=clock, period=6)
+    only(steady, jittery)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    close = decision.tuning.close_call
+    assert close is not None and set(close.ties) == {"steady", "jittery"}
+    assert decision.selected == "steady" and "a tie: " in decision.table()
+
+
+def test_pair_wins_counts_block_pairs_with_drift_cancelled():
+    ref = [[1.0, 1.0]] * 4
+    # 3 % faster, under a drift of 5 % that alternates with the A B / B A order
+    mine = [[0.97 * 1.05] * 2, [0.97 / 1.05] * 2, [0.97 * 1.05] * 2, [0.97 / 1.05] * 2]
+    assert autotune.pair_wins(mine, ref) == 1.0
+    flips = [[0.95] * 2, [0.95] * 2, [1.05] * 2, [1.05] * 2]  # a lead in one pair, behind in the other
+    assert autotune.pair_wins(flips, ref) == 0.5
+    assert autotune.pair_wins([[0.9]], [[1.0]]) == 0.0  # no full pair: no evidence
+    rank = {"a": 0, "b": 1}
+    timings = [Timing("a", None, 1.05, 5), Timing("b", None, 1.0, 5)]
+    assert autotune.choose(timings, rank).backend == "b"
+    assert autotune.choose(timings, rank, ties=("a", "b")).backend == "a"
+
+
 def test_a_clear_case_takes_no_extra_calls(only, gen, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(autotune, "Clock", clock)
