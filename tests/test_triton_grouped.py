@@ -190,9 +190,10 @@ def compiled(monkeypatch):
     [
         # torch_grouped_mm stays the default where it runs (bf16 -> bf16), until measured.
         ({"op": "fwd"}, "torch_grouped_mm"),
-        ({"op": "wgrad", "accumulate": True}, "torch_grouped_mm"),
-        # What it refuses comes here rather than to multistream's per-group loop.
-        ({"op": "wgrad", "out_dtype": "float32", "accumulate": True}, NAME),
+        ({"op": "wgrad", "accumulate": True, "device_splits": True}, "torch_grouped_mm"),
+        # What it refuses comes here rather than to multistream's per-group loop (which
+        # would read device splits back).
+        ({"op": "wgrad", "out_dtype": "float32", "accumulate": True, "device_splits": True}, NAME),
         ({"op": "fwd", "recipe": "fp16"}, NAME),
         ({"op": "dgrad", "out_dtype": "float32"}, NAME),
     ],
@@ -202,6 +203,16 @@ def test_gpu_priority_between_torch_grouped_mm_and_multistream(compiled, describ
     assert decision.selected == selected
     names = [c.name for c in decision.candidates]
     assert names.index("torch_grouped_mm") < names.index(NAME) < names.index("multistream")
+
+
+@pytest.mark.parametrize(("groups", "selected"), [(8, "multistream"), (64, "multistream"), (128, NAME)])
+def test_gpu_host_split_wgrad_of_few_groups_goes_to_multistream(compiled, groups, selected):
+    """Measured on the H200: fp32-accumulating wgrad of G=32 large groups ran faster as
+    per-group vendor GEMMs; of 128 groups, here."""
+    decision = gg.explain(
+        op="wgrad", groups=groups, m=64 * groups, n=512, k=256, device="sm_90", out_dtype="float32", accumulate=True
+    )
+    assert decision.selected == selected
 
 
 def test_cpu_priority_below_reference():

@@ -9,11 +9,12 @@ other bf16 backends is wgrad with ``accumulate=True`` into an fp32 ``out`` (Mega
 ``main_grad``): ``torch._grouped_mm`` cannot write fp32 and ``multistream`` reads the
 splits on the host, one GEMM per group.
 
-Priority: chosen where it wins and only there; GPU measurement is pending. So on GPUs it
-ranks below ``torch_grouped_mm`` (50), which stays the default wherever it is eligible
-(bf16 -> bf16), and above ``multistream`` (20), so that fp32 results, fp32 accumulation
-and fp16 (which ``torch_grouped_mm`` refuses on GPUs) come here. On a CPU device the
-interpreter is a test vehicle only: it ranks below ``reference``.
+Priority, from the H200 measurement (docs/backends.md): on GPUs below ``torch_grouped_mm``
+(50), which was faster on most bf16 cases (this kernel wins only on gptoss120b fwd / dgrad,
+where autotuning picks it), and above ``multistream`` (20), so that fp32 results, fp32
+accumulation and fp16 (which ``torch_grouped_mm`` refuses on GPUs) come here; except a
+host-split wgrad of few groups, where per-group vendor GEMMs were faster. On a CPU device
+the interpreter is a test vehicle only: it ranks below ``reference``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from grouped_gemm.backends.triton_mx import launch
 PRIORITY = 30
 #: Below ``reference`` (0): on the CPU the kernels run in Triton's interpreter, for tests.
 CPU_PRIORITY = -1
+#: wgrad of few large groups with host splits: below ``multistream`` (20). On the H200
+#: (2026-12-04, benchmarks/wgrad_accumulate.py) accumulating into an fp32 main_grad took
+#: 4.63 ms here against 2.94 ms for multistream on dsv3_gateup_ep8 (G=32), while on the
+#: 128-group cases this kernel was 0.97-7.1x multistream's speed.
+FEW_LARGE_GROUPS_WGRAD_PRIORITY = 15
+#: At most this many groups count as few (the measured cases have 32 and 128).
+FEW_GROUPS = 64
 #: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
 #: kernels are correct for any N and K; unaligned rows are left to the other backends.
 ALIGNMENT = 8
@@ -75,8 +83,14 @@ class TritonGroupedBackend(Backend):
         return reasons
 
     def priority(self, problem: Problem) -> int:
-        """``PRIORITY`` on GPUs, ``CPU_PRIORITY`` on a CPU device."""
-        return CPU_PRIORITY if problem.device.vendor == "cpu" else self.spec.priority
+        """``PRIORITY`` on GPUs, below ``multistream`` for a host-split wgrad of few groups
+        (where its per-group vendor GEMMs were faster), ``CPU_PRIORITY`` on a CPU device.
+        With device splits it stays first: ``multistream`` would read them back (a sync)."""
+        if problem.device.vendor == "cpu":
+            return CPU_PRIORITY
+        if problem.op == "wgrad" and problem.host_splits and problem.groups <= FEW_GROUPS:
+            return FEW_LARGE_GROUPS_WGRAD_PRIORITY
+        return self.spec.priority
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         out = inputs.output(problem)
