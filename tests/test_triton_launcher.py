@@ -177,6 +177,16 @@ def test_switch_forces_triton_path():
     assert cached.fallbacks == 2 and [c[0] for c in kernel.calls] == ["triton", "triton"]
 
 
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "Triton")
+    assert launcher._from_env() is False
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "cached")
+    assert launcher._from_env() is True
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "off")
+    with pytest.raises(gg.ConfigError, match=launcher.ENV_LAUNCHER):
+        launcher._from_env()
+
+
 def test_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(launcher, "MAX_ENTRIES", 2)
     cached = _launcher(_Kernel())

@@ -24,8 +24,22 @@ from typing import Any
 import torch
 from triton import knobs
 
+from grouped_gemm import ConfigError
+
+ENV_LAUNCHER = "GROUPED_GEMM_TRITON_LAUNCHER"
+
+
+def _from_env() -> bool:
+    """``cached`` (default) or ``triton``; anything else is a ConfigError naming the variable,
+    so a typo does not silently measure the wrong path."""
+    value = os.environ.get(ENV_LAUNCHER, "cached").strip().lower()
+    if value not in ("cached", "triton"):
+        raise ConfigError(ENV_LAUNCHER, value, "'cached' or 'triton'")
+    return value == "cached"
+
+
 #: Whether cached launches are on: the environment (read once) or ``set_enabled``.
-_ENABLED = os.environ.get("GROUPED_GEMM_TRITON_LAUNCHER", "cached").strip().lower() != "triton"
+_ENABLED = _from_env()
 #: Compiled specializations kept per kernel; the oldest goes first (a few per shape class).
 MAX_ENTRIES = 64
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
