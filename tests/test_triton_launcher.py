@@ -112,6 +112,7 @@ def test_second_call_is_direct_with_constexprs_appended():
         ((torch.zeros(32), 2**31), {"BLOCK": 64}),  # i64
         ((torch.zeros(32, dtype=torch.float16), 32), {"BLOCK": 64}),  # dtype
         ((torch.zeros(32), 32), {"BLOCK": 128}),  # constexpr value
+        ((torch.zeros(32), 32), {"BLOCK": 64.0}),  # constexpr type (64.0 == 64)
         ((torch.zeros(32), 32), {"BLOCK": 64, "num_warps": 8}),  # option
     ],
 )

@@ -111,7 +111,8 @@ class CachedLauncher:
         device = self._device()
         try:
             options = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-            key = (*options, *map(arg_key, args), *kwargs.items())
+            # Constexprs by value and type: 1, 1.0 and True hash alike but compile apart.
+            key = (*options, *map(arg_key, args), *kwargs.items(), *map(type, kwargs.values()))
             entry = self._entries.get(key)
         except (_Uncacheable, TypeError):  # an unmodelled argument, an unhashable constexpr
             self.fallbacks += 1
