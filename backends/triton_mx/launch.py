@@ -23,6 +23,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     quantize_decode_kernel,
 )
 from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
+from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -31,6 +32,14 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+
+# One cached launcher per kernel (launcher.py: the host-time saving per launch).
+_UPCAST = CachedLauncher(upcast_grouped_kernel)
+_SCALED = CachedLauncher(scaled_grouped_kernel)
+_QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)
+_DEQUANT = CachedLauncher(dequant_kernel)
+_WGRAD = CachedLauncher(wgrad_grouped_kernel)
+_GROUPED = CachedLauncher(grouped_kernel)
 
 
 def interpreted() -> bool:
@@ -117,7 +126,8 @@ def launch_upcast(
     col_tiles = triton.cdiv(w.rows, cfg.bn)
     most_tiles = (triton.cdiv(m, cfg.bm) + groups) * col_tiles
     programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
-    upcast_grouped_kernel[(programs,)](
+    _UPCAST(
+        (programs,),
         a,
         a.stride(0),
         w.data,
@@ -193,7 +203,8 @@ def launch_grouped(
     cfg = config or grouped_config(m, groups)
     most_tiles = (triton.cdiv(m, cfg.bm) + groups) * triton.cdiv(n_out, cfg.bn)
     programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
-    grouped_kernel[(programs,)](
+    _GROUPED(
+        (programs,),
         a,
         a.stride(0),
         w,
@@ -271,7 +282,8 @@ def launch_scaled(
     s_strides = (ws.stride(0), ws.stride(2), ws.stride(1)) if fwd else (ws.stride(0), ws.stride(1), ws.stride(2))
     col_tiles = triton.cdiv(n_out, cfg.bn)
     programs = max(1, min((triton.cdiv(m, cfg.bm) + groups) * col_tiles, _units(out.device)))
-    scaled_grouped_kernel[(programs,)](
+    _SCALED(
+        (programs,),
         a_data,
         a_data.stride(0),
         a_scale,
@@ -314,7 +326,8 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
     if rows and cols:
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         col_tiles = triton.cdiv(cols, tile.bc)
-        quantize_decode_kernel[(triton.cdiv(rows, tile.br) * col_tiles,)](
+        _QUANTIZE_DECODE(
+            (triton.cdiv(rows, tile.br) * col_tiles,),
             src,
             src.stride(0),
             out,
@@ -367,7 +380,8 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
         data = _u8(t.data)
         col_tiles = triton.cdiv(cols, tile.bc)
         # One program per tile, 1-D: the kernel walks column tiles fastest.
-        dequant_kernel[(triton.cdiv(rows, tile.br) * col_tiles,)](
+        _DEQUANT(
+            (triton.cdiv(rows, tile.br) * col_tiles,),
             data,
             data.stride(0),
             t.scale,
@@ -422,7 +436,8 @@ def launch_wgrad(
     cfg = config or wgrad_config()
     tiles = groups * triton.cdiv(n_out, cfg.bn) * triton.cdiv(k_out, cfg.bk)
     programs = max(1, min(tiles, _units(out.device)))
-    wgrad_grouped_kernel[(programs,)](
+    _WGRAD(
+        (programs,),
         dyd,
         dyd.stride(0),
         dys,

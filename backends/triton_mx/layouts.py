@@ -47,6 +47,7 @@ import torch
 import triton
 
 from grouped_gemm.backends.triton_mx import weight_prep_kernel
+from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
 
@@ -89,6 +90,9 @@ def _empty_layout(
 #: 64 x 4 took 1.09), dgrad 64 x 2 (1.46 ms on dsv3, 64 x 4 took 3.04).
 DEFAULT_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
 
+_MX_UPCAST = CachedLauncher(weight_prep_kernel.mx_upcast_kernel)
+_QUANTIZE_UPCAST = CachedLauncher(weight_prep_kernel.quantize_upcast_kernel)
+
 
 def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
     """Grid (one program per group, tile of ``rows`` layout rows and 128-run), row tiles,
@@ -114,7 +118,8 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
         # (row, contraction) strides of the packed codes and of the scale bytes.
         code_strides = (codes.stride(1), codes.stride(2)) if fwd else (codes.stride(2), codes.stride(1))
         scale_strides = (scale.stride(1), scale.stride(2)) if fwd else (scale.stride(2), scale.stride(1))
-        weight_prep_kernel.mx_upcast_kernel[grid](
+        _MX_UPCAST(
+            grid,
             codes,
             scale,
             lay.data,
@@ -158,7 +163,8 @@ def quantize_upcast_weight(
         rows_per, warps = tile or DEFAULT_TILES[op]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
-        weight_prep_kernel.quantize_upcast_kernel[grid](
+        _QUANTIZE_UPCAST(
+            grid,
             x,
             lay.data,
             lay.scales,

@@ -1,0 +1,328 @@
+"""CachedLauncher: the key refines Triton's specialization, and anything it cannot model
+takes Triton's own path.
+
+On the CPU: the key function, the direct call against a stand-in kernel, and the fallbacks
+(interpreter, launch hooks, missing internals, the switch). The GPU tests (``pytest -m gpu``)
+check bit-identical results against Triton's path for every launch in launch.py and
+layouts.py, cache hits on repeated calls, and CUDA-graph capture through the cached path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+from triton import knobs
+
+import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import launch, launcher, layouts
+from grouped_gemm.backends.triton_mx.launcher import CachedLauncher, arg_key
+from grouped_gemm.device import emulated
+from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+
+NAME = "triton_mxfp4"
+
+
+# ---- the key ---------------------------------------------------------------------------
+
+
+def test_tensor_key_dtype_and_alignment():
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    assert arg_key(base) == arg_key(torch.zeros(64, dtype=torch.bfloat16)) == (torch.bfloat16, True)
+    assert arg_key(base[1:]) == (torch.bfloat16, False)  # 2 bytes off: not 16-aligned
+    assert arg_key(base[8:]) == (torch.bfloat16, True)  # 16 bytes off
+    assert arg_key(base.view(torch.int16)) != arg_key(base)
+    assert arg_key(torch.nn.Parameter(torch.zeros(4))) == (torch.float32, True)  # subclasses too
+
+
+def test_int_key_classes():
+    keys = {v: arg_key(v) for v in (1, 2, 16, 17, 32, 2**31 - 16, 2**31, -16, 2**63)}
+    assert keys[1] != keys[17] != keys[16]
+    assert keys[16] == keys[32] != keys[17]
+    assert keys[2] == keys[17]  # neither 1 nor a multiple of 16: Triton compiles one kernel for both
+    assert keys[2**31 - 16] != keys[2**31]  # i32 -> i64
+    assert keys[2**31] != keys[2**63]  # i64 -> u64
+    assert keys[-16] == keys[16]
+
+
+def test_other_scalars_and_unknowns():
+    assert arg_key(True) is bool and arg_key(1.5) is float and arg_key(None) is type(None)
+    assert arg_key(True) != arg_key(1)
+    with pytest.raises(launcher._Uncacheable):
+        arg_key("a string")
+
+
+# ---- the direct call, against a stand-in for a JITFunction ------------------------------
+
+
+class _Compiled:
+    """A CompiledKernel's launch surface: ``run`` records what it was called with."""
+
+    def __init__(self, calls: list) -> None:
+        self.function, self.packed_metadata = "fn-handle", "packed"
+        self.run = lambda *a: calls.append(("direct", a))
+
+
+class _Kernel:
+    """``kernel[grid](...)`` records the normal launch and returns ``compiled``."""
+
+    def __init__(self, compiled_cls=_Compiled) -> None:
+        param = lambda name, const, default=None: types.SimpleNamespace(  # noqa: E731
+            name=name, is_constexpr=const, has_default=default is not None, default=default
+        )
+        self.params = [param("x", False), param("n", False), param("BLOCK", True), param("FLAG", True, "dflt")]
+        self.device_caches: dict = {}
+        self.pre_run_hooks: list = []
+        self.calls: list = []
+        self.compiled_cls = compiled_cls
+
+    def __getitem__(self, grid):
+        def launch_normal(*args, **kwargs):
+            self.calls.append(("triton", grid, args, kwargs))
+            return self.compiled_cls(self.calls)
+
+        return launch_normal
+
+
+def _launcher(kernel) -> CachedLauncher:
+    cached = CachedLauncher(kernel)
+    cached._device, cached._stream = (lambda: 0), (lambda device: 1234)
+    return cached
+
+
+def test_second_call_is_direct_with_constexprs_appended():
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    x = torch.zeros(32)
+    cached((4,), x, 32, BLOCK=64, num_warps=4)
+    cached((5, 2), x, 48, BLOCK=64, num_warps=4)
+    assert kernel.calls[0][0] == "triton"
+    assert kernel.calls[1] == ("direct", (5, 2, 1, 1234, "fn-handle", "packed", None, None, None, x, 48, 64, "dflt"))
+    assert (cached.hits, cached.misses, cached.fallbacks) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((torch.zeros(33)[1:], 32), {"BLOCK": 64}),  # misaligned pointer
+        ((torch.zeros(32), 33), {"BLOCK": 64}),  # int off 16-divisibility
+        ((torch.zeros(32), 1), {"BLOCK": 64}),  # int 1 (a constexpr to Triton)
+        ((torch.zeros(32), 2**31), {"BLOCK": 64}),  # i64
+        ((torch.zeros(32, dtype=torch.float16), 32), {"BLOCK": 64}),  # dtype
+        ((torch.zeros(32), 32), {"BLOCK": 128}),  # constexpr value
+        ((torch.zeros(32), 32), {"BLOCK": 64.0}),  # constexpr type (64.0 == 64)
+        ((torch.zeros(32), 32), {"BLOCK": 64, "num_warps": 8}),  # option
+    ],
+)
+def test_any_specialization_change_misses(args, kwargs):
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)
+    cached((1,), *args, **kwargs)
+    assert (cached.hits, cached.misses) == (0, 2)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"]
+
+
+def test_missing_internals_fall_back_every_call():
+    kernel = _Kernel(compiled_cls=lambda calls: object())  # no run / function / packed_metadata
+    cached = _launcher(kernel)
+    for _ in range(3):
+        cached((1,), torch.zeros(32), 32, BLOCK=64)
+    assert [c[0] for c in kernel.calls] == ["triton"] * 3 and cached.hits == 0
+
+
+def test_not_a_jit_function_falls_back():
+    kernel = _Kernel()
+    del kernel.device_caches
+    cached = _launcher(kernel)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)
+    assert cached.fallbacks == 2 and cached.misses == 0
+
+
+def test_uncacheable_arguments_fall_back():
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    for _ in range(2):
+        cached((1,), torch.zeros(32), "a string", BLOCK=64)  # an argument type the key does not model
+        cached((1,), torch.zeros(32), 32, BLOCK=[64])  # an unhashable constexpr
+        cached((1,), torch.zeros(32), 32, 64)  # a constexpr given positionally
+    assert cached.hits == 0 and all(c[0] == "triton" for c in kernel.calls)
+
+
+def test_launch_hooks_take_triton_path():
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        cached((1,), torch.zeros(32), 32, BLOCK=64)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton", "direct"]
+
+
+def test_switch_forces_triton_path():
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    previous = launcher.set_enabled(False)
+    try:
+        cached((1,), torch.zeros(32), 32, BLOCK=64)
+        cached((1,), torch.zeros(32), 32, BLOCK=64)
+    finally:
+        launcher.set_enabled(previous)
+    assert cached.fallbacks == 2 and [c[0] for c in kernel.calls] == ["triton", "triton"]
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "Triton")
+    assert launcher._from_env() is False
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "cached")
+    assert launcher._from_env() is True
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, "off")
+    with pytest.raises(gg.ConfigError, match=launcher.ENV_LAUNCHER):
+        launcher._from_env()
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(launcher, "MAX_ENTRIES", 2)
+    cached = _launcher(_Kernel())
+    for block in (16, 32, 64):
+        cached((1,), torch.zeros(32), 32, BLOCK=block)
+    assert len(cached._entries) == 2
+
+
+@pytest.mark.skipif(not launch.interpreted(), reason="runs the kernel in Triton's interpreter")
+def test_interpreter_takes_triton_path_and_stays_correct(gen):
+    """Under TRITON_INTERPRET=1 the launchers in launch.py use Triton's path, results unchanged."""
+    x = torch.randn(8, 64, generator=gen)
+    before = launch._QUANTIZE_DECODE.fallbacks
+    got = launch.quantize_decode(x, "e4m3", "rceil")
+    assert launch._QUANTIZE_DECODE.fallbacks == before + 1 and launch._QUANTIZE_DECODE.hits == 0
+    want = quantize_mx(x, "e4m3", axis=-1).dequantize(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# ---- GPU: the cached path against Triton's -----------------------------------------------
+
+LAUNCHERS = (
+    launch._UPCAST,
+    launch._SCALED,
+    launch._QUANTIZE_DECODE,
+    launch._DEQUANT,
+    launch._WGRAD,
+    layouts._MX_UPCAST,
+    layouts._QUANTIZE_UPCAST,
+)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _both_paths(fn):
+    """fn() through Triton's path, then twice through the cached one (a miss, then a hit):
+    the three results bit-identical; returns the hits the repeat added."""
+    previous = launcher.set_enabled(False)
+    try:
+        want = fn()
+    finally:
+        launcher.set_enabled(previous)
+    launcher.set_enabled(True)
+    try:
+        first = fn()
+        hits = sum(c.hits for c in LAUNCHERS)
+        second = fn()
+        added = sum(c.hits for c in LAUNCHERS) - hits
+    finally:
+        launcher.set_enabled(previous)
+    torch.cuda.synchronize()
+    _same(first, want)
+    _same(second, want)
+    return added
+
+
+def _gemm(op, a, b, splits, recipe):
+    with gg.use_backends(NAME, strict=True):
+        if op == "fwd":
+            return gg.grouped_gemm(a, b, splits, recipe=recipe, out_dtype=torch.float32)
+        if op == "dgrad":
+            return gg.grouped_gemm_dgrad(a, b, splits, recipe=recipe, out_dtype=torch.float32)
+        return gg.grouped_gemm_wgrad(a, b, splits, recipe=recipe, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["upcast", "dot_scaled"])
+@pytest.mark.parametrize("recipe", ["mxfp4", "a8w4", "a16w4"])
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize(("m", "offset"), [(256, 0), (257, 0), (33, 1), (4096, 1)])
+def test_gpu_cached_equals_triton_path(op, recipe, path, m, offset, gen):
+    """Every route's launches, over sizes on both sides of 16-divisibility and activations
+    that start 2 bytes past an aligned address (misaligned views)."""
+    if op == "wgrad" and recipe == "a16w4":
+        pytest.skip("a16w4's wgrad is bf16 x bf16: torch_grouped_mm runs it")
+    device = torch.device("cuda")
+    groups, n, k = 8, 512, 768
+    splits = torch.tensor(gg.skewed_splits(groups, m), device=device)
+    act = torch.bfloat16 if recipe == "a16w4" else torch.float32
+    cols = {"fwd": k, "dgrad": n, "wgrad": n}[op]
+    a = torch.randn(m * cols + offset, generator=gen).to(device, act)[offset:].view(m, cols)
+    b = (
+        torch.randn(m, k, generator=gen).to(device)
+        if op == "wgrad"
+        else torch.randn(groups, n, k, generator=gen).to(device)
+    )
+    arch = "sm_100" if path == "dot_scaled" else None
+    with emulated(arch, "cuda") if arch else contextlib.nullcontext():
+        hits = _both_paths(lambda: _gemm(op, a, b, splits, recipe))
+    assert hits >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [64, 65, 1000])
+def test_gpu_decode_and_layout_launches(rows, gen):
+    device = torch.device("cuda")
+    x = torch.randn(rows, 256, generator=gen).to(device, torch.bfloat16)
+    assert _both_paths(lambda: launch.quantize_decode(x, "e4m3", "rceil")) == 1
+    t = quantize_mx(x, "e2m1", axis=0 if rows % 32 == 0 else 1)
+    assert _both_paths(lambda: launch.dequantize(t)) == 1
+    w = torch.randn(4, 256, 512, generator=gen).to(device, torch.bfloat16)
+    assert _both_paths(lambda: layouts.quantize_upcast_weight(w, "fwd", "rceil").data) == 1
+    w_mx = quantize_mx_weight(w, "e2m1")
+    assert _both_paths(lambda: layouts.build_upcast_weight(w_mx).data) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_through_cached_path(gen):
+    """Captured on torch's side stream: the cached path reads the current stream per call."""
+    device = torch.device("cuda")
+    groups, n, k = 8, 512, 1024
+    splits = torch.tensor(gg.skewed_splits(groups, 1000), device=device)
+    x = torch.randn(1000, k, generator=gen).to(device, torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), "e2m1")
+    out = torch.empty(1000, n, device=device)
+
+    def call():
+        with gg.use_backends(NAME, strict=True):
+            return gg.grouped_gemm(x, w, splits, recipe="a16w4", out=out, out_dtype=torch.float32)
+
+    previous = launcher.set_enabled(True)
+    try:
+        want = call().clone()  # compiles, fills the cache and the layout cache
+        call()
+        hits = launch._UPCAST.hits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        assert launch._UPCAST.hits > hits
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        launcher.set_enabled(previous)
+    _same(out, want)
