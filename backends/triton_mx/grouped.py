@@ -10,10 +10,12 @@ other bf16 backends is wgrad with ``accumulate=True`` into an fp32 ``out`` (Mega
 splits on the host, one GEMM per group.
 
 Priority, from the H200 measurement (docs/backends.md): on GPUs below ``torch_grouped_mm``
-(50), which was faster on most bf16 cases (this kernel wins only on gptoss120b fwd / dgrad,
-where autotuning picks it), and above ``multistream`` (20), so that fp32 results, fp32
-accumulation and fp16 (which ``torch_grouped_mm`` refuses on GPUs) come here; except a
-host-split wgrad of few groups, where per-group vendor GEMMs were faster. On a CPU device
+(50), which was faster on most bf16 training shapes (this kernel wins there only on
+gptoss120b fwd / dgrad, where autotuning picks it), and above ``multistream`` (20), so
+that fp32 results, fp32 accumulation and fp16 (which ``torch_grouped_mm`` refuses on GPUs)
+come here; above ``torch_grouped_mm`` for fwd / dgrad of decode with large experts, where
+it streams the weights near the memory limit; below ``multistream`` for a host-split wgrad
+of few groups, where per-group vendor GEMMs were faster. On a CPU device
 the interpreter is a test vehicle only: it ranks below ``reference``.
 """
 
@@ -35,6 +37,17 @@ CPU_PRIORITY = -1
 FEW_LARGE_GROUPS_WGRAD_PRIORITY = 15
 #: At most this many groups count as few (the measured cases have 32 and 128).
 FEW_GROUPS = 64
+#: fwd / dgrad in the decode regime: above ``torch_grouped_mm`` (50). With a few rows per
+#: expert the call streams the weights; on the H200 (2026-12-04, benchmarks/autotune.py,
+#: public API) this kernel read them at 4.4 TB/s where ``torch._grouped_mm`` reached
+#: 3.0 TB/s: 1.38-1.52x on dsv3_gateup_decode (G=32, 16 rows per group, N*K 29 M) and
+#: gptoss120b_gateup_decode (G=128, 2 rows, N*K 16.6 M). On qwen3_30b_gateup_decode's
+#: smaller experts (N*K 3.1 M) it ranged 0.68-1.23x, so they stay with torch.
+DECODE_PRIORITY = 60
+#: Decode: at most this many rows per group on average (M / G, known on the host).
+DECODE_MEAN_ROWS = 16
+#: ... and experts of at least this many weight elements (N * K).
+DECODE_MIN_WEIGHT = 1 << 23
 #: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
 #: kernels are correct for any N and K; unaligned rows are left to the other backends.
 ALIGNMENT = 8
@@ -83,13 +96,17 @@ class TritonGroupedBackend(Backend):
         return reasons
 
     def priority(self, problem: Problem) -> int:
-        """``PRIORITY`` on GPUs, below ``multistream`` for a host-split wgrad of few groups
-        (where its per-group vendor GEMMs were faster), ``CPU_PRIORITY`` on a CPU device.
+        """``PRIORITY`` on GPUs; above ``torch_grouped_mm`` for fwd / dgrad of decode with
+        large experts; below ``multistream`` for a host-split wgrad of few groups (where its
+        per-group vendor GEMMs were faster); ``CPU_PRIORITY`` on a CPU device.
         With device splits it stays first: ``multistream`` would read them back (a sync)."""
         if problem.device.vendor == "cpu":
             return CPU_PRIORITY
-        if problem.op == "wgrad" and problem.host_splits and problem.groups <= FEW_GROUPS:
-            return FEW_LARGE_GROUPS_WGRAD_PRIORITY
+        if problem.op == "wgrad":
+            if problem.host_splits and problem.groups <= FEW_GROUPS:
+                return FEW_LARGE_GROUPS_WGRAD_PRIORITY
+        elif problem.m <= DECODE_MEAN_ROWS * problem.groups and problem.n * problem.k >= DECODE_MIN_WEIGHT:
+            return DECODE_PRIORITY
         return self.spec.priority
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
