@@ -72,6 +72,15 @@ def _units(device: torch.device) -> int:
     return 2
 
 
+def _persistent_programs(
+    m: int, groups: int, bm: int, n_out: int, bn: int, device: torch.device, per_sm: int = 1
+) -> int:
+    """Programs of a persistent grouped launch: no more than the tiles the schedule can
+    hold (each group may add a partial row tile), no more than ``per_sm`` per SM."""
+    most_tiles = (triton.cdiv(m, bm) + groups) * triton.cdiv(n_out, bn)
+    return max(1, min(most_tiles, _units(device) * per_sm))
+
+
 def ptx_decode(device: torch.device) -> bool:
     """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+."""
     return (
@@ -123,9 +132,7 @@ def launch_upcast(
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
     m = a.shape[0]
     cfg = config or upcast_config(m, groups, w.rows, a.device)
-    col_tiles = triton.cdiv(w.rows, cfg.bn)
-    most_tiles = (triton.cdiv(m, cfg.bm) + groups) * col_tiles
-    programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
+    programs = _persistent_programs(m, groups, cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
     _UPCAST(
         (programs,),
         a,
@@ -201,8 +208,7 @@ def launch_grouped(
     # Weight strides as (group, contraction, output column).
     stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
     cfg = config or grouped_config(m, groups)
-    most_tiles = (triton.cdiv(m, cfg.bm) + groups) * triton.cdiv(n_out, cfg.bn)
-    programs = max(1, min(most_tiles, _units(a.device) * cfg.per_sm))
+    programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
     _GROUPED(
         (programs,),
         a,
@@ -280,8 +286,7 @@ def launch_scaled(
     wd, ws = _u8(w.data), w.scale
     w_strides = (wd.stride(0), wd.stride(2), wd.stride(1)) if fwd else (wd.stride(0), wd.stride(1), wd.stride(2))
     s_strides = (ws.stride(0), ws.stride(2), ws.stride(1)) if fwd else (ws.stride(0), ws.stride(1), ws.stride(2))
-    col_tiles = triton.cdiv(n_out, cfg.bn)
-    programs = max(1, min((triton.cdiv(m, cfg.bm) + groups) * col_tiles, _units(out.device)))
+    programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, out.device)
     _SCALED(
         (programs,),
         a_data,
