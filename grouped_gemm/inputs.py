@@ -89,12 +89,14 @@ _RECENT_ENDS_MAX = 16
 def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy
     (none when the same splits were sent on this stream lately, on a GPU)."""
-    if device.type != "cuda" or type(splits) is not tuple or torch.cuda.is_current_stream_capturing():
-        return host_to_device(list(itertools.accumulate(splits)), device, dtype)
-    key = (splits, device, dtype, torch.cuda.current_stream(device).cuda_stream)
-    ends = _RECENT_ENDS.get(key)
-    if ends is None:
-        ends = host_to_device(list(itertools.accumulate(splits)), device, dtype)
+    key = None
+    if device.type == "cuda" and type(splits) is tuple and not torch.cuda.is_current_stream_capturing():
+        key = (splits, device, dtype, torch.cuda.current_stream(device).cuda_stream)
+        ends = _RECENT_ENDS.get(key)
+        if ends is not None:
+            return ends
+    ends = host_to_device(list(itertools.accumulate(splits)), device, dtype)
+    if key is not None:
         if len(_RECENT_ENDS) >= _RECENT_ENDS_MAX:
             _RECENT_ENDS.clear()  # bounded; a step's splits come back on its next call
         _RECENT_ENDS[key] = ends
