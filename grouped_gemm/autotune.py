@@ -225,8 +225,8 @@ def choose(
     """The winner among usable timings of backends in ``rank`` (name -> declared rank,
     lower first): the fastest, or among those within ``margin`` (default ``TIE_MARGIN``)
     of it the best-ranked backend (its first listed config). ``ties`` (labels, from a
-    close call) are one more tie: when the fastest is among them, all of them compete on
-    rank too. None if none is usable."""
+    close call) are one more tie: when one of them is within ``margin`` of the fastest,
+    all of them compete on rank too. None if none is usable."""
     margin = TIE_MARGIN if margin is None else margin
     usable = [(i, t) for i, t in enumerate(timings) if t.usable and t.backend in rank]
     if not usable:
@@ -234,7 +234,7 @@ def choose(
     best = min(t.ms for _, t in usable)
     tied = [(i, t) for i, t in usable if t.ms <= best * (1.0 + margin)]
     if any(t.label in ties for _, t in tied):
-        tied += [(i, t) for i, t in usable if t.label in ties and (i, t) not in tied]
+        tied = [(i, t) for i, t in usable if t.ms <= best * (1.0 + margin) or t.label in ties]
     return min(tied, key=lambda it: (rank[it[1].backend], it[0]))[1]
 
 
