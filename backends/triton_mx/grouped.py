@@ -62,8 +62,8 @@ class TritonGroupedBackend(Backend):
         name="triton_grouped",
         version=__version__,
         description="persistent Triton bf16/fp16 grouped GEMM, fp32 results and fp32 wgrad accumulation; "
-        "device splits, capturable. Priority 30: below torch_grouped_mm, above multistream "
-        "(chosen where it wins and only there; measurement pending)",
+        "device splits, capturable. Priority 30: below torch_grouped_mm, above multistream; "
+        "60 for decode with large experts, 15 for a host-split wgrad of few groups (H200 measurements)",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         # fp32 is not offered: tl.dot on fp32 tiles multiplies in tf32.
         recipes=frozenset({"bf16", "fp16"}),
