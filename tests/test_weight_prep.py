@@ -117,6 +117,18 @@ def test_fused_quantize_layout_equals_quantizer_then_layout(fmt, shape, op, pois
     assert torch.equal(small_tile.data, data) and torch.equal(small_tile.scales, scales)
 
 
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_both_tile_arrangements_write_the_same_layout(fmt, op, poisoned_layouts, gen):
+    """A weight stored (G, K, N) makes fwd's contraction strided and dgrad's contiguous, so
+    each op runs the other quantize kernel than for a (G, N, K) weight: same layout."""
+    w = _edge_weight(SHAPES[0], op, torch.bfloat16, gen)
+    data, scales = _layout_of(quantize_mx_weight(w, fmt, op=op, scale_rule="rceil"))
+    for stored in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
+        lay = layouts.quantize_upcast_weight(stored, op, "rceil", fmt=fmt)
+        assert torch.equal(lay.data, data) and torch.equal(lay.scales, scales), stored.stride()
+
+
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 @pytest.mark.parametrize("run_major", [True, False])
 def test_mx_layout_equals_reference_for_every_code_and_scale_byte(op, run_major, poisoned_layouts, gen):

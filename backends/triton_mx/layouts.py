@@ -92,6 +92,7 @@ DEFAULT_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
 
 _MX_UPCAST = CachedLauncher(weight_prep_kernel.mx_upcast_kernel)
 _QUANTIZE_UPCAST = CachedLauncher(weight_prep_kernel.quantize_upcast_kernel)
+_QUANTIZE_UPCAST_STRIDED = CachedLauncher(weight_prep_kernel.quantize_upcast_strided_kernel)
 
 
 def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
@@ -163,7 +164,9 @@ def quantize_upcast_weight(
         rows_per, warps = tile or DEFAULT_TILES[op]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
-        _QUANTIZE_UPCAST(
+        # The same layout either way; the kernel whose tile follows the contiguous axis is faster.
+        rows_contiguous = weight_strides[0] == 1 and weight_strides[1] != 1
+        (_QUANTIZE_UPCAST_STRIDED if rows_contiguous else _QUANTIZE_UPCAST)(
             grid,
             x,
             lay.data,

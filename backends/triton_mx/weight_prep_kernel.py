@@ -1,14 +1,16 @@
 """Kernels that write the upcast weight layout (``layouts.UpcastWeight``) in one pass.
 
-- ``quantize_upcast_kernel``: a high-precision (bf16 / fp16 / fp32) weight straight to the
-  layout of E2M1 or E4M3 (``layouts_e4m3``: a byte per element, int64 words), quantizing
-  each 32-block with the MX quantizer's own jit helpers
-  (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the result is
-  bit-identical to ``quantize_mx_weight`` followed by the layout). Training re-quantizes
-  the weights every step; this reads the weight once and writes 0.53 bytes per element,
-  with no MXTensor in between and nothing read back to the host. (E4M3 never needs the
-  prebuilt layout's NaN-block rule: a finite block saturates to ±448, never the NaN code,
-  and a non-finite block gets scale byte 255 and zero codes, as in the quantizer.)
+- ``quantize_upcast_kernel`` / ``quantize_upcast_strided_kernel``: a high-precision
+  (bf16 / fp16 / fp32) weight straight to the layout of E2M1 or E4M3 (``layouts_e4m3``: a
+  byte per element, int64 words), quantizing each 32-block with the MX quantizer's own jit
+  helpers (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the
+  result is bit-identical to ``quantize_mx_weight`` followed by the layout). Training
+  re-quantizes the weights every step; this reads the weight once and writes 0.53 (E2M1)
+  or 1.03 (E4M3) bytes per element, with no MXTensor in between and nothing read back to
+  the host. (E4M3 never needs the prebuilt layout's NaN-block rule: a finite block
+  saturates to ±448, never the NaN code, and a non-finite block gets scale byte 255 and
+  zero codes, as in the quantizer.) Two kernels with one result, one per contiguous axis
+  of the input (the comment above them says why).
 - ``mx_upcast_kernel``: an E2M1 ``MXTensor`` (packed codes + scale bytes) to the layout,
   for all groups in one launch.
 
@@ -28,19 +30,11 @@ from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, w
 
 
 @triton.jit
-def _words(codes, ROWS: tl.constexpr, BYTE_CODES: tl.constexpr):
-    """(ROWS, 128) codes of a run -> (ROWS, 4 [b], 4 [q]) words: E2M1 (int32, element
-    ``32b + 8j + 2q + h`` at nibble ``j + 4h``) or, with ``BYTE_CODES``, E4M3 (int64, at byte
-    ``2j + h``: ``layouts_e4m3``). The codes occupy disjoint bits, so their sum is their
-    bitwise OR (and never overflows)."""
+def _words(codes, ROWS: tl.constexpr):
+    """(ROWS, 128) E2M1 codes of a run -> (ROWS, 4 [b], 4 [q]) int32 words, element
+    ``32b + 8j + 2q + h`` at nibble ``j + 4h``."""
     split = tl.reshape(codes, (ROWS, 4, 4, 4, 2))  # row, b, j, q, h
-    j = tl.arange(0, 4)[None, None, :, None, None]
-    h = tl.arange(0, 2)[None, None, None, None, :]
-    if BYTE_CODES:
-        shifted = split.to(tl.int64) << (16 * j + 8 * h).to(tl.int64)
-    else:
-        shifted = split << (4 * j + 16 * h)
-    return tl.sum(tl.sum(shifted, axis=4), axis=2)
+    return _pack(split, tl.arange(0, 4)[None, None, :, None, None], tl.arange(0, 2)[None, None, None, None, :], 2, 4, 4)
 
 
 @triton.jit
@@ -53,6 +47,61 @@ def _store_run(data_ptr, scale_ptr, g, run, row, row_ok, words, scale_bytes, sd_
     tl.store(base + row[:, None, None] * sd_row + 4 * q + b, words, mask=row_ok[:, None, None])
     packed = tl.sum(scale_bytes << (8 * tl.arange(0, 4)[None, :]), axis=1)
     tl.store(scale_ptr + g * ss_g + run * ss_run + row, packed, mask=row_ok)
+
+
+@triton.jit
+def _tile(runs, row_tiles, ROWS: tl.constexpr):
+    """(group as int64, 128-run, first layout row) of this program."""
+    pid = tl.program_id(0)
+    g = (pid // (runs * row_tiles)).to(tl.int64)
+    return g, pid % runs, ((pid // runs) % row_tiles) * ROWS
+
+
+@triton.jit
+def _codes(x, amax, SCALE_SHAPE: tl.constexpr, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE):
+    """The quantizer's steps (``quantize_last``): amax bits -> E8M0 exponent -> power-of-two
+    reciprocal -> nearest-even codes; a block holding NaN / Inf gets byte 255 and codes 0
+    (blocks past the contraction read zeros: byte 0, zero codes, the layout's padding).
+    ``amax`` is per block; ``SCALE_SHAPE`` is its shape broadcast against ``x``.
+    Returns (codes like ``x``, scale bytes like ``amax``)."""
+    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    nonfinite = amax >= 0x7F800000
+    inv_scale = tl.reshape(((127 - exp) << 23).to(tl.float32, bitcast=True), SCALE_SHAPE)
+    code = encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(tl.reshape(nonfinite, SCALE_SHAPE), 0, code)
+    return code, tl.where(nonfinite, 255, exp + 127)
+
+
+@triton.jit
+def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.constexpr):
+    """Words from codes whose axes ``J_AXIS`` / ``H_AXIS`` hold j and h (``j``, ``h``: their
+    indices, broadcastable): E2M1 nibble ``j + 4h`` of an int32, or E4M3 byte ``2j + h`` of an
+    int64 (``layouts_e4m3``). The codes occupy disjoint bits, so the sum is their OR."""
+    if NBITS == 8:
+        shifted = code.to(tl.int64) << (16 * j + 8 * h).to(tl.int64)
+    else:
+        shifted = code << (4 * j + 16 * h)
+    return tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS)
+
+
+@triton.jit
+def _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS: tl.constexpr):
+    """The four (4, ROWS) scale bytes of each row's run as one little-endian int32 (byte b:
+    32-block b)."""
+    packed = tl.sum(scale_bytes << (8 * tl.arange(0, 4)[:, None]), axis=0)
+    row = row0 + tl.arange(0, ROWS)
+    tl.store(scale_ptr + g * ss_g + run * ss_run + row, packed, mask=row < rows)
+
+
+# The two quantize-and-lay-out kernels compute the same layout from the same strides; they
+# differ in how a tile is spread over threads, which decides the instruction count (an
+# sm_90 compile of the dsv3 gate-up tiles, SASS per element, E2M1 / E4M3: a (rows, 128)
+# tile had 23.8 / 23.1 along K and 23.9 / 21.2 along N, with up to 224 shuffles and 217
+# registers per thread; these have 18.4 / 12.9 and 18.7 / 13.4, about no shuffles, 55-108
+# registers). Triton gives threads to the contiguous axis, then to the others from the
+# last; axes j and h, listed first, stay in registers, so each thread holds whole 32-blocks:
+# the block maximum and the word packing need no shuffles. ``layouts.quantize_upcast_weight``
+# picks the one whose contiguous axis the weight's strides have.
 
 
 @triton.jit
@@ -84,29 +133,74 @@ def quantize_upcast_kernel(
     NATIVE: tl.constexpr,
 ):
     """One (group, ROWS-row tile, 128-run) of a weight quantized to E2M1 (``NBITS`` 4) or
-    E4M3 (8) straight into the layout of that format."""
-    pid = tl.program_id(0)
-    run = pid % runs
-    row_tile = (pid // runs) % row_tiles
-    g = (pid // (runs * row_tiles)).to(tl.int64)
-    row = row_tile * ROWS + tl.arange(0, ROWS)
-    row_ok = row < rows
-    c = run * 128 + tl.arange(0, 128)
-    ptrs = w_ptr + g * sw_g + row[:, None].to(tl.int64) * sw_row + c[None, :].to(tl.int64) * sw_k
-    raw = tl.load(ptrs, mask=row_ok[:, None] & (c < k_red)[None, :], other=0)
-    x = tl.reshape(widen(raw, BF16_BITS), (ROWS, 4, 32))
-    # The quantizer's steps (quantize_last): amax bits -> E8M0 exponent -> power-of-two
-    # reciprocal -> nearest-even codes; a block holding NaN / Inf gets byte 255, codes 0.
-    # Blocks past k_red read zeros: scale byte 0 and zero codes, the layout's padding.
-    amax = block_amax(x, 2, -1)
-    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    nonfinite = amax >= 0x7F800000
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[:, :, None], 0, code)
-    words = _words(tl.reshape(code, (ROWS, 128)), ROWS, NBITS == 8)
-    scale_bytes = tl.where(nonfinite, 255, exp + 127)
-    _store_run(data_ptr, scale_ptr, g, run, row, row_ok, words, scale_bytes, sd_g, sd_row, sd_run, ss_g, ss_run)
+    E4M3 (8) straight into the layout; fastest where the contraction is contiguous (fwd).
+    Tile axes (j, b, row, e): contraction element ``32b + 8j + e`` (e = 2q + h, a 16-byte
+    vector)."""
+    g, run, row0 = _tile(runs, row_tiles, ROWS)
+    j = tl.arange(0, 4)[:, None, None, None]
+    b = tl.arange(0, 4)[None, :, None, None]
+    row = row0 + tl.arange(0, ROWS)[None, None, :, None]
+    c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
+    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+    x = widen(tl.load(ptrs, mask=(row < rows) & (c < k_red), other=0), BF16_BITS)
+    code, scale_bytes = _codes(
+        x, block_amax(x, 3, 0), (1, 4, ROWS, 1), RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE
+    )
+    jj = tl.arange(0, 4)[:, None, None, None, None]
+    hh = tl.arange(0, 2)[None, None, None, None, :]
+    words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
+    row3 = row0 + tl.arange(0, ROWS)[None, :, None]
+    offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, None, :] + tl.arange(0, 4)[:, None, None]
+    tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
+    _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
+
+
+@triton.jit
+def quantize_upcast_strided_kernel(
+    w_ptr,
+    data_ptr,
+    scale_ptr,
+    rows,
+    k_red,
+    runs,
+    row_tiles,
+    sw_g,
+    sw_row,
+    sw_k,
+    sd_g,
+    sd_row,
+    sd_run,
+    ss_g,
+    ss_run,
+    ROWS: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """``quantize_upcast_kernel``'s result, fastest where the layout rows are contiguous
+    (dgrad: rows are K). Tile axes (j, h, b, q, row): contraction element ``32b + 8j + 2q + h``."""
+    g, run, row0 = _tile(runs, row_tiles, ROWS)
+    j = tl.arange(0, 4)[:, None, None, None, None]
+    h = tl.arange(0, 2)[None, :, None, None, None]
+    b = tl.arange(0, 4)[None, None, :, None, None]
+    q = tl.arange(0, 4)[None, None, None, :, None]
+    row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
+    c = run * 128 + 32 * b + 8 * j + 2 * q + h
+    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+    x = widen(tl.load(ptrs, mask=(row < rows) & (c < k_red), other=0), BF16_BITS)
+    amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
+    code, scale_bytes = _codes(x, amax, (1, 1, 4, 1, ROWS), RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
+    row3 = row0 + tl.arange(0, ROWS)[None, None, :]
+    offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[:, None, None]
+    tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
+    _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
 
 @triton.jit
@@ -146,5 +240,5 @@ def mx_upcast_kernel(
     block = run * 4 + tl.arange(0, 4)
     s_ptrs = mx_scale_ptr + g * sm_g + row[:, None].to(tl.int64) * sm_row + block[None, :].to(tl.int64) * sm_block
     scale_bytes = tl.load(s_ptrs, mask=row_ok[:, None] & (block * 32 < k_red)[None, :], other=0).to(tl.int32)
-    words = _words(codes, ROWS, False)
+    words = _words(codes, ROWS)
     _store_run(data_ptr, scale_ptr, g, run, row, row_ok, words, scale_bytes, sd_g, sd_row, sd_run, ss_g, ss_run)
