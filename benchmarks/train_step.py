@@ -10,13 +10,13 @@ per recipe and its ratio to bf16. ``--graphs`` captures the whole step (fwd + bw
 in a CUDA graph after a warm-up and times graph replays instead; a recipe with an op no
 capturable backend runs is reported as such.
 
-A second table, per case, times weight preparation on the forward problem with an a16w4
-call (bf16 activations, E2M1 weights): ``gg.quantize_mx_weight`` alone; the call with a
-cached pre-quantized MXTensor; the same call with the bf16 weights (quantized inside the
-call); and ``torch._grouped_mm`` in bf16. The issue's goal is ``fresh <= cached + 1.5 x
-quantize``; the ``prep / quantize`` column is ``(fresh - cached) / quantize``. The
-``fused prep`` columns time triton_mxfp4's quantize-and-lay-out kernel alone, for fwd
-(blocks along K) and dgrad (along N); ``--prep-sweep`` times it for every tile of
+A second table, per case and weight format, times weight preparation on the forward
+problem with an a16w4 call (E2M1 weights) and an mxfp8 call (E4M3): ``gg.quantize_mx_weight``
+alone; the call with a cached pre-quantized MXTensor; the same call with the bf16 weights
+(quantized inside the call); and ``torch._grouped_mm`` in bf16. The issue's goal is
+``fresh <= cached + 1.5 x quantize``; the last column is ``(fresh - cached) / quantize``.
+The ``fused prep`` columns time the Triton backends' quantize-and-lay-out kernel alone, for
+fwd (blocks along K) and dgrad (along N); ``--prep-sweep`` times it for every tile of
 ``PREP_TILES`` too (in the JSON).
 
     python benchmarks/train_step.py [--quick] [--graphs] [--out DIR]
@@ -215,47 +215,58 @@ def bench_ms(fn: Callable[[], Any], quick: bool) -> float:
 
 
 def weight_prep(case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    """a16w4 forward: quantize alone, cached MXTensor, fresh bf16 weights, bf16 peer."""
+    """Forward with fresh against cached weights, per weight format (a16w4: E2M1, mxfp8:
+    E4M3): quantize alone, cached MXTensor, fresh bf16 weights, the fused prep kernel per op
+    (and per tile with ``--prep-sweep``); and the bf16 peer."""
     gen = torch.Generator("cuda").manual_seed(1)
     splits = case.splits(args.splits)
     x = torch.randn(case.m, case.k, generator=gen, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(case.groups, case.n, case.k, generator=gen, device="cuda", dtype=torch.bfloat16)
     device_splits = torch.tensor(splits, device="cuda")
     offs = torch.cumsum(device_splits, 0, dtype=torch.int32)
-    w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
     row: dict[str, Any] = {"case": case.name}
-    calls = {
-        "quantize_mx_weight": lambda: gg.quantize_mx_weight(w, "e2m1", op="fwd"),
-        "a16w4 cached MXTensor": lambda: gg.grouped_gemm(x, w_mx, device_splits, recipe="a16w4"),
-        "a16w4 fresh bf16": lambda: gg.grouped_gemm(x, w, device_splits, recipe="a16w4"),
-        "torch._grouped_mm bf16": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
-    }
+    calls = {"torch._grouped_mm bf16": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)}
+    for fmt, recipe in PREP_FORMATS.items():
+        w_mx = gg.quantize_mx_weight(w, fmt, op="fwd")
+        calls |= {
+            f"quantize_mx_weight {fmt}": lambda fmt=fmt: gg.quantize_mx_weight(w, fmt, op="fwd"),
+            f"{recipe} cached MXTensor": lambda w_mx=w_mx, r=recipe: gg.grouped_gemm(x, w_mx, device_splits, recipe=r),
+            f"{recipe} fresh bf16": lambda r=recipe: gg.grouped_gemm(x, w, device_splits, recipe=r),
+        }
     for name, fn in calls.items():
         try:
             row[name] = bench_ms(fn, args.quick)
         except (gg.GroupedGemmError, RuntimeError) as exc:
             row[name] = None
             row[f"{name} error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    for op in ("fwd", "dgrad"):
-        row[f"fused prep {op}"] = _fused_prep_ms(w, op, None, args.quick)
-        if args.prep_sweep:
-            row[f"fused prep {op} sweep"] = {
-                f"{rows}x{warps}": _fused_prep_ms(w, op, (rows, warps), args.quick) for rows, warps in PREP_TILES
-            }
-    q, cached, fresh = row["quantize_mx_weight"], row["a16w4 cached MXTensor"], row["a16w4 fresh bf16"]
-    row["prep / quantize"] = (fresh - cached) / q if None not in (q, cached, fresh) else None
+    for fmt, recipe in PREP_FORMATS.items():
+        for op in ("fwd", "dgrad"):
+            row[f"fused prep {fmt} {op}"] = _fused_prep_ms(w, op, fmt, None, args.quick)
+            if args.prep_sweep:
+                row[f"fused prep {fmt} {op} sweep"] = {
+                    f"{rows}x{warps}": _fused_prep_ms(w, op, fmt, (rows, warps), args.quick)
+                    for rows, warps in PREP_TILES
+                }
+        q, cached, fresh = (
+            row[f"quantize_mx_weight {fmt}"],
+            row[f"{recipe} cached MXTensor"],
+            row[f"{recipe} fresh bf16"],
+        )
+        row[f"{recipe} prep / quantize"] = (fresh - cached) / q if None not in (q, cached, fresh) else None
     return row
 
 
+#: Weight formats of the prep table and the recipe whose forward times them.
+PREP_FORMATS = {"e2m1": "a16w4", "e4m3": "mxfp8"}
 #: (layout rows per program, warps) tried by ``--prep-sweep``.
 PREP_TILES = [(rows, warps) for rows in (16, 32, 64, 128) for warps in (2, 4, 8)]
 
 
-def _fused_prep_ms(w: torch.Tensor, op: str, tile: tuple[int, int] | None, quick: bool) -> float | None:
-    """The triton_mxfp4 fused quantize-and-layout kernel alone (None where it cannot run)."""
+def _fused_prep_ms(w: torch.Tensor, op: str, fmt: str, tile: tuple[int, int] | None, quick: bool) -> float | None:
+    """The fused quantize-and-layout kernel alone (None where it cannot run)."""
     if layouts is None:
         return None
-    return bench_ms(lambda: layouts.quantize_upcast_weight(w, op, "rceil", tile=tile), quick)
+    return bench_ms(lambda: layouts.quantize_upcast_weight(w, op, "rceil", fmt=fmt, tile=tile), quick)
 
 
 def _cell(value: Any, digits: int = 2) -> str:
@@ -272,37 +283,34 @@ def step_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-PREP_COLUMNS = (
-    "torch._grouped_mm bf16",
-    "quantize_mx_weight",
-    "fused prep fwd",
-    "fused prep dgrad",
-    "a16w4 cached MXTensor",
-    "a16w4 fresh bf16",
-)
-
-
 def prep_table(rows: list[dict[str, Any]]) -> str:
-    head = "| case | " + " | ".join(f"{c} (ms)" for c in PREP_COLUMNS) + " | prep / quantize |"
-    lines = [head, "|---" * (len(PREP_COLUMNS) + 2) + "|"]
+    """One line per case and weight format."""
+    head = "| case | format | bf16 peer | quantize | fused prep fwd | fused prep dgrad | cached MXTensor call"
+    head += " | fresh bf16 call | (fresh - cached) / quantize |"
+    lines = [head, "|---" * 9 + "|"]
     for r in rows:
-        cells = " | ".join(_cell(r.get(c), 3) for c in PREP_COLUMNS)
-        lines.append(f"| {r['case']} | {cells} | {_cell(r['prep / quantize'])} |")
+        for fmt, recipe in PREP_FORMATS.items():
+            cells = [r.get("torch._grouped_mm bf16"), r.get(f"quantize_mx_weight {fmt}")]
+            cells += [r.get(f"fused prep {fmt} {op}") for op in ("fwd", "dgrad")]
+            cells += [r.get(f"{recipe} cached MXTensor"), r.get(f"{recipe} fresh bf16")]
+            body = " | ".join(_cell(c, 3) for c in cells)
+            lines.append(f"| {r['case']} | {fmt} ({recipe}) | {body} | {_cell(r.get(f'{recipe} prep / quantize'))} |")
     return "\n".join(lines)
 
 
 def sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """``--prep-sweep``: the fastest tile per case and op against the default."""
+    """``--prep-sweep``: the fastest tile per case, format and op against the default."""
     lines = []
     for r in rows:
-        for op in ("fwd", "dgrad"):
-            sweep = r.get(f"fused prep {op} sweep")
-            if sweep:
-                best = min(sweep, key=sweep.get)
-                lines.append(
-                    f"fused prep {op} on {r['case']}: fastest tile {best} {sweep[best]:.3f} ms; "
-                    f"default {_cell(r[f'fused prep {op}'], 3)} ms"
-                )
+        for fmt in PREP_FORMATS:
+            for op in ("fwd", "dgrad"):
+                sweep = r.get(f"fused prep {fmt} {op} sweep")
+                if sweep:
+                    best = min(sweep, key=lambda t: sweep[t] if sweep[t] is not None else float("inf"))
+                    lines.append(
+                        f"fused prep {fmt} {op} on {r['case']}: fastest tile {best} {_cell(sweep[best], 3)} ms; "
+                        f"default {_cell(r[f'fused prep {fmt} {op}'], 3)} ms"
+                    )
     return lines
 
 
