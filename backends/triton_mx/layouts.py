@@ -84,11 +84,22 @@ def _empty_layout(
     return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, fmt=fmt)
 
 
-#: Layout rows per program and warps of the layout kernels, per op: the fastest of
-#: ``benchmarks/train_step.py --prep-sweep`` (rows 16-128 x warps 2-8) on the H200 for
-#: dsv3, gpt-oss and qwen3-30B gate-up weights (2026-12-03): fwd 32 x 2 (0.91 ms on dsv3,
-#: 64 x 4 took 1.09), dgrad 64 x 2 (1.46 ms on dsv3, 64 x 4 took 3.04).
-DEFAULT_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
+#: Layout rows per program and warps of ``mx_upcast_kernel`` (an E2M1 MXTensor to the
+#: layout), per op: what the quantize kernel's sweep chose on the H200 (2026-12-03, rows
+#: 16-128 x warps 2-8), when the two kernels shared their tiles; never swept on its own.
+MX_UPCAST_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
+#: The same for the quantize-and-lay-out kernels, per (format, op); see ``train_step.py --prep-sweep``.
+DEFAULT_TILES = {
+    ("e2m1", "fwd"): (32, 2),
+    ("e2m1", "dgrad"): (32, 2),
+    ("e4m3", "fwd"): (32, 2),
+    ("e4m3", "dgrad"): (32, 2),
+}
+
+#: Triton before 3.7 hands a tile's threads to its non-contiguous axes from the first, later
+#: releases from the last (seen in sm_90 compiles of the prep kernels under 3.6.0, 3.7.1 and
+#: 3.9.0); the prep kernels load in the order that keeps their register axes in registers.
+THREADS_FROM_FIRST_AXIS = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
 
 _MX_UPCAST = CachedLauncher(weight_prep_kernel.mx_upcast_kernel)
 _QUANTIZE_UPCAST = CachedLauncher(weight_prep_kernel.quantize_upcast_kernel)
@@ -113,7 +124,7 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
     rows = mx.shape[1] if fwd else mx.shape[2]
     lay = _empty_layout(groups, rows, mx.shape[mx.axis], mx.device, run_major)
     if lay.data.numel():
-        rows_per, warps = DEFAULT_TILES["fwd" if fwd else "dgrad"]
+        rows_per, warps = MX_UPCAST_TILES["fwd" if fwd else "dgrad"]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         codes, scale = mx.data, mx.scale
         # (row, contraction) strides of the packed codes and of the scale bytes.
@@ -161,7 +172,7 @@ def quantize_upcast_weight(
     lay = _empty_layout(groups, n if fwd else k, k if fwd else n, w.device, run_major, fmt)
     if lay.data.numel():
         x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
-        rows_per, warps = tile or DEFAULT_TILES[op]
+        rows_per, warps = tile or DEFAULT_TILES[fmt, op]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
         # The same layout either way; the kernel whose tile follows the contiguous axis is faster.
@@ -179,6 +190,7 @@ def quantize_upcast_weight(
             *weight_strides,
             *strides,
             ROWS=rows_per,
+            FROM_FIRST=THREADS_FROM_FIRST_AXIS,
             num_warps=warps,
             **triton_quantizer.format_args(x, FORMATS[fmt], scale_rule),  # the quantizer's own constants
         )

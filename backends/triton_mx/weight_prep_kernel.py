@@ -58,18 +58,25 @@ def _tile(runs, row_tiles, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, amax, SCALE_SHAPE: tl.constexpr, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE):
-    """The quantizer's steps (``quantize_last``): amax bits -> E8M0 exponent -> power-of-two
-    reciprocal -> nearest-even codes; a block holding NaN / Inf gets byte 255 and codes 0
-    (blocks past the contraction read zeros: byte 0, zero codes, the layout's padding).
-    ``amax`` is per block; ``SCALE_SHAPE`` is its shape broadcast against ``x``.
-    Returns (codes like ``x``, scale bytes like ``amax``)."""
+def _load_threads_first(ptrs, mask, THREADED: tl.constexpr, BACK: tl.constexpr, FROM_FIRST: tl.constexpr):
+    """``tl.load(ptrs, mask=mask, other=0)``, loaded as a tile whose axes ``THREADED`` come
+    first among the non-contiguous ones when Triton hands threads out from the first axis
+    (``FROM_FIRST``: Triton 3.6; 3.7 and later go from the last), then permuted back by
+    ``BACK``: a renaming of registers, so the axes the caller lists first stay in registers
+    with every Triton."""
+    if FROM_FIRST:
+        return tl.permute(tl.load(tl.permute(ptrs, THREADED), mask=tl.permute(mask, THREADED), other=0), BACK)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS):
+    """The quantizer's steps (``quantize_last``) per block: amax bits -> E8M0 exponent ->
+    (power-of-two reciprocal, whether the block holds NaN / Inf, scale byte: 255 there).
+    Blocks past the contraction read zeros: byte 0 and zero codes, the layout's padding."""
     exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
     nonfinite = amax >= 0x7F800000
-    inv_scale = tl.reshape(((127 - exp) << 23).to(tl.float32, bitcast=True), SCALE_SHAPE)
-    code = encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(tl.reshape(nonfinite, SCALE_SHAPE), 0, code)
-    return code, tl.where(nonfinite, 255, exp + 127)
+    return ((127 - exp) << 23).to(tl.float32, bitcast=True), nonfinite, tl.where(nonfinite, 255, exp + 127)
 
 
 @triton.jit
@@ -131,6 +138,7 @@ def quantize_upcast_kernel(
     NBITS: tl.constexpr,
     BF16_BITS: tl.constexpr,
     NATIVE: tl.constexpr,
+    FROM_FIRST: tl.constexpr,
 ):
     """One (group, ROWS-row tile, 128-run) of a weight quantized to E2M1 (``NBITS`` 4) or
     E4M3 (8) straight into the layout; fastest where the contraction is contiguous (fwd).
@@ -142,10 +150,11 @@ def quantize_upcast_kernel(
     row = row0 + tl.arange(0, ROWS)[None, None, :, None]
     c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
     ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    x = widen(tl.load(ptrs, mask=(row < rows) & (c < k_red), other=0), BF16_BITS)
-    code, scale_bytes = _codes(
-        x, block_amax(x, 3, 0), (1, 4, ROWS, 1), RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE
-    )
+    raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
+    x = widen(raw, BF16_BITS)
+    inv_scale, nonfinite, scale_bytes = _block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(nonfinite[None, :, :, None], 0, code)
     jj = tl.arange(0, 4)[:, None, None, None, None]
     hh = tl.arange(0, 2)[None, None, None, None, :]
     words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
@@ -182,6 +191,7 @@ def quantize_upcast_strided_kernel(
     NBITS: tl.constexpr,
     BF16_BITS: tl.constexpr,
     NATIVE: tl.constexpr,
+    FROM_FIRST: tl.constexpr,
 ):
     """``quantize_upcast_kernel``'s result, fastest where the layout rows are contiguous
     (dgrad: rows are K). Tile axes (j, h, b, q, row): contraction element ``32b + 8j + 2q + h``."""
@@ -193,9 +203,12 @@ def quantize_upcast_strided_kernel(
     row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
     c = run * 128 + 32 * b + 8 * j + 2 * q + h
     ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    x = widen(tl.load(ptrs, mask=(row < rows) & (c < k_red), other=0), BF16_BITS)
+    mask = (row < rows) & (c < k_red)
+    x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
     amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
-    code, scale_bytes = _codes(x, amax, (1, 1, 4, 1, ROWS), RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    inv_scale, nonfinite, scale_bytes = _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(nonfinite[None, None, :, None, :], 0, code)
     words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
     row3 = row0 + tl.arange(0, ROWS)[None, None, :]
     offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[:, None, None]
