@@ -13,6 +13,8 @@ the reference backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
@@ -65,3 +67,10 @@ class TritonMxfp8Backend(Backend):
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         return calls.run(problem, inputs)
+
+    def configs(self, problem: Problem) -> list[dict[str, int]]:
+        """Kernel tiles for autotuning (``calls.configs``)."""
+        return calls.configs(problem)
+
+    def run_config(self, problem: Problem, inputs: GroupedInputs, config: dict[str, Any]) -> torch.Tensor:
+        return calls.run(problem, inputs, config)
