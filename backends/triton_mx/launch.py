@@ -110,8 +110,10 @@ class UpcastConfig:
         int64 words, the larger format: 32 bytes per row and 32-block) and their scales."""
         return self.stages * (self.bm * 32 * self.blocks * 2 + self.bn * self.blocks * 32 + self.bn * 4)
 
-    def acc_elements(self) -> int:
-        return self.bm * self.bn
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and the
+        weight step decoded to bf16 (wgmma's register operand)."""
+        return (self.bm * self.bn + self.bn * 16 * self.blocks) // (32 * self.warps)
 
 
 def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
@@ -196,8 +198,10 @@ class GroupedConfig:
         """Shared memory of the pipelined loads: both 16-bit tiles per stage."""
         return self.stages * (self.bm + self.bn) * self.bk * 2
 
-    def acc_elements(self) -> int:
-        return self.bm * self.bn
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator (both
+        operands are read from shared memory)."""
+        return self.bm * self.bn // (32 * self.warps)
 
 
 def grouped_config(m: int, groups: int) -> GroupedConfig:
@@ -275,8 +279,10 @@ class ScaledConfig:
         sizes (bf16 activations, 8-bit weights), with both operands' scales."""
         return self.stages * 128 * (self.bm * 2 + self.bn + (self.bm + self.bn) // 32)
 
-    def acc_elements(self) -> int:
-        return self.bm * self.bn
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and one
+        128-step of bf16 activations and 8-bit weights."""
+        return (self.bm * self.bn + self.bm * 64 + self.bn * 32) // (32 * self.warps)
 
 
 def scaled_config(m: int, groups: int) -> ScaledConfig:
@@ -459,8 +465,10 @@ class WgradConfig:
         (the larger operands; MX data is 1 byte or less per element)."""
         return self.stages * self.bt * (self.bn + self.bk) * 2
 
-    def acc_elements(self) -> int:
-        return self.bn * self.bk
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and the
+        transposed dy slab (bf16, the register operand)."""
+        return (self.bn * self.bk + self.bn * self.bt // 2) // (32 * self.warps)
 
 
 def wgrad_config() -> WgradConfig:
@@ -532,9 +540,12 @@ def launch_wgrad(
 #: Shared memory one block may use on sm_90 and sm_100 (227 KB): a candidate above it
 #: fails to compile, and tuning would spend the compile for nothing.
 SMEM_BYTES = 227 * 1024
-#: fp32 accumulator registers per thread (tile elements / threads) a candidate may take:
-#: beyond half of the 255 a thread has, the operand fragments spill.
-ACC_REGS = 128
+#: Registers a thread may hold through the contraction loop (each config's ``registers()``
+#: estimate), unless the default itself holds more. Calibrated on ptxas (Triton 3.9, the
+#: kernels compiled on a CPU for sm_90 and sm_100 as benchmarks/triton_mx_compile.py does,
+#: 2026-12-04): of the candidates estimated above 128, all but one spilled 136-520 bytes
+#: a thread; at or below, the worst spilled 112 (grouped 256 x 128) and most none.
+REGISTERS = 128
 #: The range of each config field; tiles, blocks and warps are powers of two as well.
 #: Checked on every config a tuning file or caller hands to ``parse_config``.
 FIELD_RANGES = {
@@ -552,12 +563,13 @@ _POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps"})
 AnyConfig = TypeVar("AnyConfig", UpcastConfig, GroupedConfig, ScaledConfig, WgradConfig)
 
 
-def _fits(config: UpcastConfig | GroupedConfig | ScaledConfig | WgradConfig) -> bool:
-    """Within ``FIELD_RANGES``, ``SMEM_BYTES`` and ``ACC_REGS``."""
+def _fits(config: AnyConfig, default: AnyConfig) -> bool:
+    """Within ``FIELD_RANGES`` and ``SMEM_BYTES``, and within ``REGISTERS`` or the
+    default's own estimate (a neighbour that only changes stages holds what it holds)."""
     fields = dataclasses.asdict(config)
     in_range = all(lo <= fields[f] <= hi for f, (lo, hi) in FIELD_RANGES.items() if f in fields)
-    threads = 32 * config.warps
-    return in_range and config.smem_bytes() <= SMEM_BYTES and config.acc_elements() <= ACC_REGS * threads
+    registers = max(REGISTERS, default.registers())
+    return in_range and config.smem_bytes() <= SMEM_BYTES and config.registers() <= registers
 
 
 def _neighbours(default: AnyConfig, moves: dict[str, tuple[int, ...]]) -> list[AnyConfig]:
@@ -567,7 +579,7 @@ def _neighbours(default: AnyConfig, moves: dict[str, tuple[int, ...]]) -> list[A
     for name, values in moves.items():
         for value in values:
             config = dataclasses.replace(default, **{name: value})
-            if config not in space and _fits(config):
+            if config not in space and _fits(config, default):
                 space.append(config)
     return space
 
