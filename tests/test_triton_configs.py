@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm import autotune, tuning_store
 from grouped_gemm.autotune import MAX_CONFIGS
 from grouped_gemm.backends.triton_mx import TritonGroupedBackend, TritonMxfp4Backend, TritonMxfp8Backend, launch
 from grouped_gemm.device import emulated
@@ -27,6 +28,7 @@ from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.recipes import get_recipe
+from grouped_gemm.registry import registry
 from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error, sqnr_db
 
 SPLITS = [9, 0, 55]
@@ -282,3 +284,45 @@ def test_sm90_wgrad_to_the_vendor_route_offers_none(monkeypatch):
         assert backend.configs(_described(name, "wgrad", "sm_90")) == [
             dataclasses.asdict(c) for c in launch.wgrad_configs()
         ]
+
+
+# ---- through the tuner -------------------------------------------------------------------
+
+
+@pytest.fixture
+def only_triton_grouped():
+    """``triton_grouped`` as the only registered backend (so the tuner's choice is among
+    its own tiles), the others restored afterwards."""
+    reg = registry()
+    saved = [(e.backend, e.plugin) for e in reg.entries() if e.backend.spec.name != "triton_grouped"]
+    for backend, _ in saved:
+        reg.unregister(backend.spec.name)
+    yield
+    for backend, plugin in saved:
+        reg.register(backend, plugin)
+
+
+@needs_interpreter
+def test_the_tuner_times_the_offered_tiles_and_later_calls_use_the_choice(
+    gen, monkeypatch, tmp_path, only_triton_grouped
+):
+    """End to end on the CPU (the hook made to offer two GPU configs for CPU tensors): the
+    tuner measures the default ``run`` and both configs, and dispatch runs the stored choice."""
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(autotune, "PLAN", autotune.Plan(warmup_ms=1, rep_ms=2, min_reps=2, max_reps=4))
+    monkeypatch.setattr(autotune, "CLOSE_PLAN", autotune.ClosePlan(rep_ms=2, min_blocks=2, max_blocks=2))
+    offered = [dataclasses.asdict(c) for c in launch.grouped_configs(64, 3)[:2]]
+    monkeypatch.setattr(launch, "offered", lambda problem, space: offered)
+    x, w = torch.randn(sum(SPLITS), K, generator=gen).bfloat16(), torch.randn(3, N, K, generator=gen).bfloat16()
+    gg.configure(autotune=True)
+    got = gg.grouped_gemm(x, w, SPLITS, out_dtype=torch.float32)
+    assert rel_error(got, ref_fwd(x, w, SPLITS)) < FP32_OUT_TOL
+    decision = gg.explain(x, w, SPLITS, out_dtype=torch.float32)
+    timed = [t.config for t in decision.tuning.timings]
+    assert sorted(map(json.dumps, timed)) == sorted(map(json.dumps, [None, *offered]))
+    assert decision.selected == "triton_grouped" and decision.config in (None, *offered)
+    runs = []
+    real = TritonGroupedBackend.run_config
+    monkeypatch.setattr(TritonGroupedBackend, "run_config", lambda self, *a: runs.append(a[2]) or real(self, *a))
+    gg.grouped_gemm(x, w, SPLITS, out_dtype=torch.float32)
+    assert runs[-1] == decision.config

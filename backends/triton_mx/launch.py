@@ -538,7 +538,9 @@ def launch_wgrad(
 # every candidate on the CPU.
 
 #: Shared memory one block may use on sm_90 and sm_100 (227 KB): a candidate above it
-#: fails to compile, and tuning would spend the compile for nothing.
+#: cannot launch (Triton's OutOfResources), and tuning would spend its compile for nothing.
+#: Each config's ``smem_bytes()`` is an upper bound: of the 96 candidates compiled for
+#: ``REGISTERS``, none took more than its estimate.
 SMEM_BYTES = 227 * 1024
 #: Registers a thread may hold through the contraction loop (each config's ``registers()``
 #: estimate), unless the default itself holds more. Calibrated on ptxas (Triton 3.9, the
@@ -605,8 +607,8 @@ def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:
 
 
 def wgrad_configs() -> list[WgradConfig]:
-    """The wgrad kernel's candidates around its GPU default. Steps of 64 and 128 tokens only:
-    32 would halve the MMA's contraction below what packed E2M1 operands fill."""
+    """The wgrad kernel's candidates around its GPU default. Steps of 64 and 128 tokens: 32
+    (one MX block, 16 bytes of packed E2M1 per row) is left out, untried on dot_scaled."""
     d = _WGRAD_DEFAULT
     return _neighbours(
         d, {"bn": (64, 128, 256), "bk": (64, 128, 256), "bt": (64, 128), "stages": (3, 4), "warps": (4, 8)}
@@ -615,7 +617,7 @@ def wgrad_configs() -> list[WgradConfig]:
 
 def offered(problem: Problem, space: list[AnyConfig]) -> list[dict[str, int]]:
     """What a backend's ``configs(problem)`` returns: the space as dicts of its fields, or
-    none for CPU tensors (the interpreter gains nothing from tiles worth its time)."""
+    none for CPU tensors (Triton's interpreter, where tiles are not worth tuning time)."""
     if problem.placement == "cpu":
         return []
     return [dataclasses.asdict(c) for c in space]

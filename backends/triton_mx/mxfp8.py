@@ -72,5 +72,6 @@ class TritonMxfp8Backend(Backend):
         """Kernel tiles for autotuning (``calls.configs``)."""
         return calls.configs(problem)
 
-    def run_config(self, problem: Problem, inputs: GroupedInputs, config: dict[str, Any]) -> torch.Tensor:
+    def run_config(self, problem: Problem, inputs: GroupedInputs, config: dict[str, Any] | None) -> torch.Tensor:
+        """``run`` with the tiles of one of ``configs(problem)`` (None: the defaults)."""
         return calls.run(problem, inputs, config)
