@@ -22,7 +22,8 @@ Last, a fresh process calls the first problem again with the same cache director
 must measure nothing (``tuned 0, loaded 1``). The run points ``GROUPED_GEMM_CACHE_DIR``
 at a new temporary directory, so any compiled-kernel cache under that variable starts
 cold too and first-call compilation shows in the tuning cost. Separate timings run each
-backend's default ``run``; no built-in backend offers kernel configs yet. ``--quick``
+backend's default ``run`` (the Triton backends' tile configs are timed by
+``tile_sweep.py``). ``--quick``
 (the H200 run, under 5 minutes) lightens the separate timing, limits the MX recipes to
 ``mxfp4`` on four cases and stops starting problems after ``--budget-s``. On the H200 on
 2026-12-03 it took 78 s for 96 problems; by that run's times, the close calls add about

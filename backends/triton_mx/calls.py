@@ -4,6 +4,9 @@ kernel otherwise) and the operand formats follow the recipe (``operands``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from grouped_gemm import GroupedInputs, Problem
@@ -30,10 +33,27 @@ KERNEL_CAPABILITIES = {
 }
 
 
-def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
-    """The result of an eligible fwd, dgrad or wgrad call, written into ``inputs.out`` when given."""
+def configs(problem: Problem) -> list[dict[str, int]]:
+    """The kernel tiles autotuning may try for ``problem`` (the backends' ``configs`` hook):
+    the candidates of the kernel its path runs (``launch.*_configs``), none where the
+    sm_90 wgrad of a new bf16 result goes to ``torch._grouped_mm`` (the vendor route)."""
+    scaled = problem.device.has("scaled_mma")
     if problem.op == "wgrad":
-        return _wgrad(problem, inputs)
+        vendor = not scaled and launch.vendor_wgrad_runs(problem)
+        return [] if vendor else launch.offered(problem, launch.wgrad_configs())
+    space = launch.scaled_configs if scaled else launch.upcast_configs
+    return launch.offered(problem, space(problem.m, problem.groups))
+
+
+def run(problem: Problem, inputs: GroupedInputs, config: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """The result of an eligible fwd, dgrad or wgrad call, written into ``inputs.out`` when
+    given; ``config`` (one of ``configs(problem)``) picks the kernel's tiles, and is checked
+    even where no kernel of it runs (no rows, the vendor wgrad route)."""
+    if problem.op == "wgrad":
+        return _wgrad(problem, inputs, launch.parse_config(launch.WgradConfig, config))
+    scaled = problem.device.has("scaled_mma")
+    scaled_tiles = launch.parse_config(launch.ScaledConfig, config) if scaled else None
+    upcast_tiles = None if scaled else launch.parse_config(launch.UpcastConfig, config)
     name = "x" if problem.op == "fwd" else "dy"
     device = inputs.b.device
     out = inputs.output(problem)
@@ -41,14 +61,16 @@ def run(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         operands.activation(problem, inputs.a, name)  # an unfit MXTensor is refused all the same
         return out
     splits = launch.device_splits(inputs.m_splits, device)
-    if problem.device.has("scaled_mma"):
+    if scaled:
         act = operands.activation(problem, inputs.a, name)
-        return launch.launch_scaled(act, operands.weight(problem, inputs.b), splits, out, problem.groups)
+        w = operands.weight(problem, inputs.b)
+        return launch.launch_scaled(act, w, splits, out, problem.groups, scaled_tiles)
     act = operands.decoded_activation(problem, inputs.a, name)
-    return launch.launch_upcast(act, operands.upcast_weight(problem, inputs.b), splits, out, problem.groups)
+    w_up = operands.upcast_weight(problem, inputs.b)
+    return launch.launch_upcast(act, w_up, splits, out, problem.groups, upcast_tiles)
 
 
-def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+def _wgrad(problem: Problem, inputs: GroupedInputs, tiles: launch.WgradConfig | None) -> torch.Tensor:
     """dy and x quantized along the tokens per group; ``tl.dot_scaled`` on them, or their exact
     bf16 decodes through the same wgrad kernel, or (sm_90, a new bf16 result) through
     ``torch._grouped_mm``."""
@@ -58,4 +80,4 @@ def _wgrad(problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         if inputs.out is None and launch.vendor_wgrad_runs(problem):
             return launch.vendor_wgrad(dy_q, x_q, padded_ends)
     out = inputs.output(problem)
-    return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate)
+    return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate, tiles)

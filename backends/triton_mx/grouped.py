@@ -21,6 +21,8 @@ the interpreter is a test vehicle only: it ranks below ``reference``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
@@ -110,14 +112,29 @@ class TritonGroupedBackend(Backend):
         return self.spec.priority
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
+        return self.run_config(problem, inputs, None)
+
+    def configs(self, problem: Problem) -> list[dict[str, int]]:
+        """Kernel tiles for autotuning: the plain grouped kernel's (fwd, dgrad) or the wgrad
+        kernel's candidates (``launch``), none for CPU tensors."""
+        if problem.op == "wgrad":
+            return launch.offered(problem, launch.wgrad_configs())
+        return launch.offered(problem, launch.grouped_configs(problem.m, problem.groups))
+
+    def run_config(self, problem: Problem, inputs: GroupedInputs, config: dict[str, Any] | None) -> torch.Tensor:
+        """``run`` with the tiles of one of ``configs(problem)`` (None: the defaults)."""
         out = inputs.output(problem)
         device = inputs.a.device
         if problem.op == "wgrad":
+            tiles = launch.parse_config(launch.WgradConfig, config)
             if not problem.m:  # no rows to launch over (and no operand memory to point at)
                 return out if problem.accumulate else out.zero_()
             ends = inputs.offsets(device)
-            return launch.launch_wgrad(inputs.a, inputs.b, ends, out, problem.groups, problem.accumulate)
+            return launch.launch_wgrad(inputs.a, inputs.b, ends, out, problem.groups, problem.accumulate, tiles)
+        grouped_tiles = launch.parse_config(launch.GroupedConfig, config)
         if problem.m:
             splits = launch.device_splits(inputs.m_splits, device)
-            launch.launch_grouped(inputs.a, inputs.b, splits, out, transpose_w=problem.op == "fwd")
+            launch.launch_grouped(
+                inputs.a, inputs.b, splits, out, transpose_w=problem.op == "fwd", config=grouped_tiles
+            )
         return out

@@ -10,6 +10,8 @@ choices and their reasons: docs/notes/triton_mxfp4.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 import triton
@@ -103,11 +105,25 @@ class UpcastConfig:
     stages: int
     per_sm: int
 
+    def smem_bytes(self) -> int:
+        """Shared memory of the pipelined loads: bf16 activations, the weight words (E4M3's
+        int64 words, the larger format: 32 bytes per row and 32-block) and their scales."""
+        return self.stages * (self.bm * 32 * self.blocks * 2 + self.bn * self.blocks * 32 + self.bn * 4)
+
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and the
+        weight step decoded to bf16 (wgmma's register operand)."""
+        return (self.bm * self.bn + self.bn * 16 * self.blocks) // (32 * self.warps)
+
 
 def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring)."""
     if interpreted():
         return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
+    return _upcast_default(m, groups)
+
+
+def _upcast_default(m: int, groups: int) -> UpcastConfig:
     mean_rows = m / max(groups, 1)
     if mean_rows <= 8:
         return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
@@ -178,6 +194,15 @@ class GroupedConfig:
     stages: int
     per_sm: int
 
+    def smem_bytes(self) -> int:
+        """Shared memory of the pipelined loads: both 16-bit tiles per stage."""
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator (both
+        operands are read from shared memory)."""
+        return self.bm * self.bn // (32 * self.warps)
+
 
 def grouped_config(m: int, groups: int) -> GroupedConfig:
     """The default configuration of the plain grouped kernel. Not yet measured on a GPU:
@@ -185,6 +210,10 @@ def grouped_config(m: int, groups: int) -> GroupedConfig:
     tiles when the mean group is small, so few-token experts waste fewer masked rows."""
     if interpreted():
         return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
+    return _grouped_default(m, groups)
+
+
+def _grouped_default(m: int, groups: int) -> GroupedConfig:
     mean_rows = m / max(groups, 1)
     if mean_rows <= 16:
         return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=3, per_sm=2)
@@ -238,17 +267,31 @@ def launch_grouped(
 
 @dataclasses.dataclass(frozen=True)
 class ScaledConfig:
-    """Tiles of the dot_scaled kernel."""
+    """Tiles of the dot_scaled kernel (the contraction step follows K: ``block_k_for``)."""
 
     bm: int
     bn: int
     warps: int
     stages: int
 
+    def smem_bytes(self) -> int:
+        """Shared memory of the pipelined loads at the largest step (128) and operand
+        sizes (bf16 activations, 8-bit weights), with both operands' scales."""
+        return self.stages * 128 * (self.bm * 2 + self.bn + (self.bm + self.bn) // 32)
+
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and one
+        128-step of bf16 activations and 8-bit weights."""
+        return (self.bm * self.bn + self.bm * 64 + self.bn * 32) // (32 * self.warps)
+
 
 def scaled_config(m: int, groups: int) -> ScaledConfig:
     if interpreted():
         return ScaledConfig(bm=32, bn=64, warps=4, stages=1)
+    return _scaled_default(m, groups)
+
+
+def _scaled_default(m: int, groups: int) -> ScaledConfig:
     mean_rows = m / max(groups, 1)
     if mean_rows <= 32:
         return ScaledConfig(bm=32, bn=128, warps=4, stages=3)
@@ -408,17 +451,33 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
 
 @dataclasses.dataclass(frozen=True)
 class WgradConfig:
+    """Tiles of the wgrad kernel: output rows (BN) and columns (BK), tokens per contraction
+    step (BT, a multiple of the 32-token MX blocks), warps, pipeline stages."""
+
     bn: int
     bk: int
     bt: int
     warps: int
     stages: int
 
+    def smem_bytes(self) -> int:
+        """Shared memory of the pipelined loads: the dy and x token slabs, as bf16 decodes
+        (the larger operands; MX data is 1 byte or less per element)."""
+        return self.stages * self.bt * (self.bn + self.bk) * 2
+
+    def registers(self) -> int:
+        """32-bit registers a thread holds through the loop: the fp32 accumulator and the
+        transposed dy slab (bf16, the register operand)."""
+        return (self.bn * self.bk + self.bn * self.bt // 2) // (32 * self.warps)
+
 
 def wgrad_config() -> WgradConfig:
     if interpreted():
         return WgradConfig(bn=64, bk=64, bt=64, warps=4, stages=1)
-    return WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
+    return _WGRAD_DEFAULT
+
+
+_WGRAD_DEFAULT = WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
 
 
 def launch_wgrad(
@@ -470,3 +529,112 @@ def launch_wgrad(
         num_stages=cfg.stages,
     )
     return out
+
+
+# Candidate tiles for autotuning (the backends' ``configs`` / ``run_config`` hooks). Each
+# space is the GPU default for the problem's mean rows per group plus its one-field
+# neighbours, so tuning costs a few compiles and can only add to the default. The spaces
+# are the GPU's whatever runs them (the interpreter ignores warps and stages), so tests run
+# every candidate on the CPU.
+
+#: Shared memory one block may use on sm_90 and sm_100 (227 KB): a candidate above it
+#: cannot launch (Triton's OutOfResources), and tuning would spend its compile for nothing.
+#: Each config's ``smem_bytes()`` is an upper bound: of the 96 candidates compiled for
+#: ``REGISTERS``, none took more than its estimate.
+SMEM_BYTES = 227 * 1024
+#: Registers a thread may hold through the contraction loop (each config's ``registers()``
+#: estimate), unless the default itself holds more. Calibrated on ptxas (Triton 3.9, the
+#: kernels compiled on a CPU for sm_90 and sm_100 as benchmarks/triton_mx_compile.py does,
+#: 2026-12-04): of the candidates estimated above 128, all but one spilled 136-520 bytes
+#: a thread; at or below, the worst spilled 112 (grouped 256 x 128) and most none.
+REGISTERS = 128
+#: The range of each config field; tiles, blocks and warps are powers of two as well.
+#: Checked on every config a tuning file or caller hands to ``parse_config``.
+FIELD_RANGES = {
+    "bm": (16, 256),
+    "bn": (16, 256),
+    "bk": (16, 256),
+    "bt": (32, 256),
+    "blocks": (2, 4),
+    "warps": (1, 16),
+    "stages": (1, 8),
+    "per_sm": (1, 8),
+}
+_POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps"})
+
+AnyConfig = TypeVar("AnyConfig", UpcastConfig, GroupedConfig, ScaledConfig, WgradConfig)
+
+
+def _fits(config: AnyConfig, default: AnyConfig) -> bool:
+    """Within ``FIELD_RANGES`` and ``SMEM_BYTES``, and within ``REGISTERS`` or the
+    default's own estimate (a neighbour that only changes stages holds what it holds)."""
+    fields = dataclasses.asdict(config)
+    in_range = all(lo <= fields[f] <= hi for f, (lo, hi) in FIELD_RANGES.items() if f in fields)
+    registers = max(REGISTERS, default.registers())
+    return in_range and config.smem_bytes() <= SMEM_BYTES and config.registers() <= registers
+
+
+def _neighbours(default: AnyConfig, moves: dict[str, tuple[int, ...]]) -> list[AnyConfig]:
+    """``default``, then each config that sets one field to one of its ``moves`` (in
+    order), those that fit (``_fits``), without repeats."""
+    space = [default]
+    for name, values in moves.items():
+        for value in values:
+            config = dataclasses.replace(default, **{name: value})
+            if config not in space and _fits(config, default):
+                space.append(config)
+    return space
+
+
+def grouped_configs(m: int, groups: int) -> list[GroupedConfig]:
+    """The plain grouped kernel's candidates (fwd / dgrad) around its GPU default."""
+    d = _grouped_default(m, groups)
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "bk": (32, 64, 128)}
+    return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
+
+
+def upcast_configs(m: int, groups: int) -> list[UpcastConfig]:
+    """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default."""
+    d = _upcast_default(m, groups)
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4)}
+    return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
+
+
+def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:
+    """The dot_scaled kernel's candidates (fwd / dgrad) around its GPU default."""
+    d = _scaled_default(m, groups)
+    return _neighbours(d, {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "stages": (2, 3, 4), "warps": (4, 8)})
+
+
+def wgrad_configs() -> list[WgradConfig]:
+    """The wgrad kernel's candidates around its GPU default. Steps of 64 and 128 tokens: 32
+    (one MX block, 16 bytes of packed E2M1 per row) is left out, untried on dot_scaled."""
+    d = _WGRAD_DEFAULT
+    return _neighbours(
+        d, {"bn": (64, 128, 256), "bk": (64, 128, 256), "bt": (64, 128), "stages": (3, 4), "warps": (4, 8)}
+    )
+
+
+def offered(problem: Problem, space: list[AnyConfig]) -> list[dict[str, int]]:
+    """What a backend's ``configs(problem)`` returns: the space as dicts of its fields, or
+    none for CPU tensors (Triton's interpreter, where tiles are not worth tuning time)."""
+    if problem.placement == "cpu":
+        return []
+    return [dataclasses.asdict(c) for c in space]
+
+
+def parse_config(kind: type[AnyConfig], config: Mapping[str, Any] | None) -> AnyConfig | None:
+    """The ``kind`` config a dict describes (``offered``'s form), checked field by field:
+    a stored tuning or a caller may hand in any dict. None stays None (the default tiles)."""
+    if config is None:
+        return None
+    names = [f.name for f in dataclasses.fields(kind)]
+    if not isinstance(config, Mapping) or sorted(config) != sorted(names):
+        raise InvalidArgumentError("config", config, f"a {kind.__name__} dict with exactly the keys {names}")
+    for name in names:
+        value, (lo, hi) = config[name], FIELD_RANGES[name]
+        pow2 = name in _POWERS_OF_TWO
+        if type(value) is not int or not lo <= value <= hi or (pow2 and value & (value - 1)):
+            kind_of = "a power of two" if pow2 else "an integer"
+            raise InvalidArgumentError("config", config, f"{name}={value!r}: {kind_of} from {lo} to {hi}")
+    return kind(**config)

@@ -13,6 +13,8 @@ the reference backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
@@ -65,3 +67,11 @@ class TritonMxfp8Backend(Backend):
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
         return calls.run(problem, inputs)
+
+    def configs(self, problem: Problem) -> list[dict[str, int]]:
+        """Kernel tiles for autotuning (``calls.configs``)."""
+        return calls.configs(problem)
+
+    def run_config(self, problem: Problem, inputs: GroupedInputs, config: dict[str, Any] | None) -> torch.Tensor:
+        """``run`` with the tiles of one of ``configs(problem)`` (None: the defaults)."""
+        return calls.run(problem, inputs, config)

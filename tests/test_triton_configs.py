@@ -1,0 +1,328 @@
+"""The Triton backends' autotuning hooks: ``configs(problem)`` and ``run_config``.
+
+Every tile config a GPU would be offered is run in Triton's interpreter on a small problem
+(G=3: a skewed split with an empty group, N=64, K=96 so both contraction steps end partly
+masked) against a float64 reference, into a NaN-poisoned fp32 ``out``. The interpreter
+ignores warps and stages, so of the configs differing only in those one runs (``_sample``):
+every distinct bm / bn / bk / blocks / bt / per_sm value is still covered. The spaces are
+taken at two mean group sizes (the small problem's own, and 512 rows: the large-tile
+defaults), so the large tiles run too. ``configs`` itself is checked on described sm_90 /
+sm_100 problems (as on a GPU host) and on CPU ones (no configs: tuning would only spend
+interpreter time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm import autotune, tuning_store
+from grouped_gemm.autotune import MAX_CONFIGS
+from grouped_gemm.backends.triton_mx import TritonGroupedBackend, TritonMxfp4Backend, TritonMxfp8Backend, launch
+from grouped_gemm.device import emulated
+from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.inputs import GroupedInputs
+from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
+from grouped_gemm.recipes import get_recipe
+from grouped_gemm.registry import registry
+from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error, sqnr_db
+
+SPLITS = [9, 0, 55]
+N, K = 64, 96
+#: Mean rows per group of a large problem: the spaces around the largest default tiles.
+LARGE_MEAN_ROWS = 512
+#: As tests/test_triton_grouped.py: fp32 results of bf16 products, summation order aside.
+FP32_OUT_TOL = 1e-5
+#: As tests/test_triton_mxfp4.py / test_triton_mxfp8.py, against the exact product of the
+#: quantized operands.
+MIN_SQNR = 60.0
+#: Path name -> the arch emulated: the sm_90 upcast kernel (the CPU's path) or dot_scaled.
+PATHS = {"upcast": "cpu", "dot_scaled": "gfx950"}
+MX = {"triton_mxfp4": (TritonMxfp4Backend, "mxfp4"), "triton_mxfp8": (TritonMxfp8Backend, "mxfp8")}
+
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or not launch.interpreted(), reason="CPU tests run the kernels in Triton's interpreter"
+)
+
+
+def _sample(*spaces):
+    """One config per behaviour the interpreter can tell apart: warps and stages aside."""
+    seen = {}
+    for config in (c for space in spaces for c in space):
+        key = (type(config), *(v for f, v in dataclasses.asdict(config).items() if f not in ("warps", "stages")))
+        seen.setdefault(key, config)
+    return list(seen.values())
+
+
+def _space(op, kind):
+    """The GPU candidates of a kernel (``kind``: grouped, upcast, scaled) at the test
+    problem's mean group size and at a large one."""
+    if op == "wgrad":
+        return _sample(launch.wgrad_configs())
+    spaces = {"grouped": launch.grouped_configs, "upcast": launch.upcast_configs, "scaled": launch.scaled_configs}
+    groups = len(SPLITS)
+    return _sample(spaces[kind](sum(SPLITS), groups), spaces[kind](LARGE_MEAN_ROWS * groups, groups))
+
+
+def _problem(a, b, op, recipe, out, accumulate=False):
+    """The Problem dispatch builds for the call (on the emulated chip, if any)."""
+    return gg.explain(
+        a, b, SPLITS, op=op, recipe=recipe, out=out, out_dtype=torch.float32, accumulate=accumulate
+    ).problem
+
+
+#: Config field -> the launch keyword it becomes.
+LAUNCH_KEYWORDS = {
+    "bm": "BM",
+    "bn": "BN",
+    "bk": "BK",
+    "bt": "BT",
+    "blocks": "BLOCKS",
+    "warps": "num_warps",
+    "stages": "num_stages",
+}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The keywords of every kernel launch (the cached launchers, spied on)."""
+    seen = []
+    for attr in ("_GROUPED", "_UPCAST", "_SCALED", "_WGRAD"):
+        real = getattr(launch, attr)
+
+        def spy(grid, *args, real=real, **kwargs):
+            seen.append(kwargs)
+            return real(grid, *args, **kwargs)
+
+        monkeypatch.setattr(launch, attr, spy)
+    return seen
+
+
+def _check_launched(launches, config):
+    """The last launch took ``config``'s tiles, and no more programs than ``per_sm`` allows
+    (the interpreter counts 2 SMs)."""
+    kwargs = launches[-1]
+    fields = dataclasses.asdict(config)
+    assert {LAUNCH_KEYWORDS[f]: v for f, v in fields.items() if f != "per_sm"} == {
+        LAUNCH_KEYWORDS[f]: kwargs[LAUNCH_KEYWORDS[f]] for f in fields if f != "per_sm"
+    }
+    assert kwargs["NUM_PROGS"] <= 2 * fields.get("per_sm", 1)
+
+
+def _out(op):
+    shape = {"fwd": (sum(SPLITS), N), "dgrad": (sum(SPLITS), K), "wgrad": (len(SPLITS), N, K)}[op]
+    return poison(torch.empty(shape))
+
+
+# ---- run_config: every candidate against float64 ----------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad", "wgrad_accumulate"])
+def test_grouped_every_config_matches_float64(op, gen, launches):
+    """triton_grouped: bf16 operands, fp32 results; wgrad also accumulating into fp32."""
+    accumulate = op == "wgrad_accumulate"
+    op = "wgrad" if accumulate else op
+    m, g = sum(SPLITS), len(SPLITS)
+    shapes = {"fwd": ((m, K), (g, N, K)), "dgrad": ((m, N), (g, N, K)), "wgrad": ((m, N), (m, K))}[op]
+    a, b = (torch.randn(*s, generator=gen).to(torch.bfloat16) for s in shapes)
+    want = {"fwd": ref_fwd, "dgrad": ref_dgrad, "wgrad": ref_wgrad}[op](a, b, SPLITS)
+    backend = TritonGroupedBackend()
+    start = torch.randn(g, N, K, generator=gen) if accumulate else None
+    if accumulate:
+        want = want + start.double()
+    problem = _problem(a, b, op, "bf16", _out(op), accumulate)
+    for config in _space(op, "grouped"):
+        out = start.clone() if accumulate else _out(op)
+        got = backend.run_config(problem, GroupedInputs(a, b, tuple(SPLITS), out), dataclasses.asdict(config))
+        _check_launched(launches, config)
+        assert got is out
+        assert rel_error(got, want) < FP32_OUT_TOL, config
+
+
+def _mx_operands(op, recipe, scale_rule, grad_format, gen):
+    """(a, b) of an MX call and the float64 result of its quantized operands: fwd / dgrad
+    with pre-quantized MXTensors, wgrad with bf16 dy and x (the backend quantizes them along
+    the tokens per group, as ``gg.quantize_mx_rows`` does here)."""
+    r = get_recipe(recipe)
+    m, g = sum(SPLITS), len(SPLITS)
+    if op == "wgrad":
+        dy, x = torch.randn(m, N, generator=gen), torch.randn(m, K, generator=gen)
+        dy_q = quantize_mx_rows(dy, SPLITS, grad_format, scale_rule=scale_rule).dequantize(torch.float64)
+        x_q = quantize_mx_rows(x, SPLITS, r.act_format, scale_rule=scale_rule).dequantize(torch.float64)
+        return dy, x, ref_wgrad(dy_q, x_q, SPLITS)
+    w = torch.randn(g, N, K, generator=gen)
+    w_q = quantize_mx_weight(w, r.weight_format, op=op, scale_rule=scale_rule)
+    a = torch.randn(m, K if op == "fwd" else N, generator=gen)
+    a_q = quantize_mx(a, r.act_format if op == "fwd" else grad_format, axis=-1, scale_rule=scale_rule)
+    ref = ref_fwd if op == "fwd" else ref_dgrad
+    return a_q, w_q, ref(a_q.dequantize(torch.float64), w_q.dequantize(torch.float64), SPLITS)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("name", list(MX))
+def test_mx_every_config_matches_float64(name, op, path, gen, launches):
+    """triton_mxfp4 (the mxfp4 recipe) and triton_mxfp8 on both kernel paths."""
+    cls, recipe = MX[name]
+    r = get_recipe(recipe)
+    a, b, want = _mx_operands(op, recipe, r.scale_rule, r.grad_format, gen)
+    backend = cls()
+    with emulated(PATHS[path]):
+        problem = _problem(a, b, op, recipe, _out(op))
+        assert problem.device.has("scaled_mma") == (path == "dot_scaled")
+        for config in _space(op, "scaled" if path == "dot_scaled" else "upcast"):
+            out = _out(op)
+            got = backend.run_config(problem, GroupedInputs(a, b, tuple(SPLITS), out), dataclasses.asdict(config))
+            _check_launched(launches, config)
+            assert got is out
+            assert torch.isfinite(got).all(), f"unwritten (NaN-poisoned) outputs with {config}"
+            assert sqnr_db(got, want) >= MIN_SQNR, config
+
+
+# ---- run_config: refused configs -----------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"bm": 48}, "bm=48: a power of two"),
+        ({"bn": 512}, "bn=512: a power of two from 16 to 256"),
+        ({"warps": 4.0}, "warps=4.0"),
+        ({"per_sm": 0}, "per_sm=0: an integer from 1 to 8"),
+        ({"tile": 1}, "exactly the keys"),
+    ],
+)
+@pytest.mark.parametrize("name", ["triton_grouped", *MX])
+def test_a_bad_config_names_config_and_what_is_allowed(name, change, match, gen):
+    """Wrong values or unknown keys; also, below, a dict of another kernel's fields."""
+    x, w = torch.randn(sum(SPLITS), K, generator=gen), torch.randn(len(SPLITS), N, K, generator=gen)
+    recipe = "bf16" if name == "triton_grouped" else MX[name][1]
+    if name == "triton_grouped":
+        x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        backend, config = TritonGroupedBackend(), launch.grouped_configs(64, 3)[0]
+    else:
+        backend, config = MX[name][0](), launch.upcast_configs(64, 3)[0]
+    problem = _problem(x, w, "fwd", recipe, None)
+    inputs = GroupedInputs(x, w, tuple(SPLITS))
+    with pytest.raises(InvalidArgumentError, match=r"^config=.*" + match):
+        backend.run_config(problem, inputs, {**dataclasses.asdict(config), **change})
+    other = launch.wgrad_configs()[0]  # the wgrad kernel's fields on a fwd call
+    with pytest.raises(InvalidArgumentError, match=r"config=.*exactly the keys"):
+        backend.run_config(problem, inputs, dataclasses.asdict(other))
+
+
+# ---- configs(problem) --------------------------------------------------------------------
+
+
+BACKENDS = {
+    "triton_grouped": TritonGroupedBackend,
+    "triton_mxfp4": TritonMxfp4Backend,
+    "triton_mxfp8": TritonMxfp8Backend,
+}
+RECIPE = {"triton_grouped": "bf16", "triton_mxfp4": "mxfp4", "triton_mxfp8": "mxfp8"}
+
+
+def _described(name, op, arch, m=8192, groups=32, out_dtype="float32"):
+    return gg.describe_problem(
+        op=op, groups=groups, m=m, n=1024, k=2048, recipe=RECIPE[name], device=arch, out_dtype=out_dtype
+    )
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_no_configs_for_cpu_tensors(name, op):
+    assert BACKENDS[name]().configs(_described(name, op, "cpu")) == []
+
+
+def _default(name, op, arch, m, groups):
+    """The tiles a plain ``run`` launches on a GPU for the problem."""
+    if op == "wgrad":
+        return launch.wgrad_config()
+    if name == "triton_grouped":
+        return launch.grouped_config(m, groups)
+    if arch == "sm_90":
+        return launch.upcast_config(m, groups, 1024, torch.device("cuda"))
+    return launch.scaled_config(m, groups)
+
+
+@pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize(
+    ("name", "arch"), [("triton_grouped", "sm_90"), *((n, a) for n in MX for a in ("sm_90", "sm_100"))]
+)
+def test_gpu_problems_get_a_small_space_with_the_default_first(name, arch, op, mean_rows, monkeypatch):
+    """JSON-scalar dicts, at most MAX_CONFIGS, the default first, each within the limits and
+    accepted back by ``parse_config``."""
+    monkeypatch.setattr(launch, "interpreted", lambda: False)  # as on a GPU host
+    groups = 32
+    offered = BACKENDS[name]().configs(_described(name, op, arch, m=mean_rows * groups, groups=groups))
+    assert 4 <= len(offered) <= min(12, MAX_CONFIGS)
+    assert json.loads(json.dumps(offered)) == offered
+    default = _default(name, op, arch, mean_rows * groups, groups)
+    assert offered[0] == dataclasses.asdict(default)
+    assert len({json.dumps(c, sort_keys=True) for c in offered}) == len(offered)
+    for config in offered:
+        tiles = launch.parse_config(type(default), config)
+        assert tiles.smem_bytes() <= launch.SMEM_BYTES
+        assert tiles.registers() <= max(launch.REGISTERS, default.registers())
+
+
+def test_sm90_wgrad_to_the_vendor_route_offers_none(monkeypatch):
+    """A new bf16 wgrad result on sm_90 goes to torch._grouped_mm: no Triton tiles to tune.
+    fp32 results (and accumulation) stay on the Triton kernel, and are offered configs."""
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    for name in MX:
+        backend = BACKENDS[name]()
+        assert backend.configs(_described(name, "wgrad", "sm_90", out_dtype="bfloat16")) == []
+        assert backend.configs(_described(name, "wgrad", "sm_90")) == [
+            dataclasses.asdict(c) for c in launch.wgrad_configs()
+        ]
+
+
+# ---- through the tuner -------------------------------------------------------------------
+
+
+@pytest.fixture
+def only_triton_grouped():
+    """``triton_grouped`` as the only registered backend (so the tuner's choice is among
+    its own tiles), the others restored afterwards."""
+    reg = registry()
+    saved = [(e.backend, e.plugin) for e in reg.entries() if e.backend.spec.name != "triton_grouped"]
+    for backend, _ in saved:
+        reg.unregister(backend.spec.name)
+    yield
+    for backend, plugin in saved:
+        reg.register(backend, plugin)
+
+
+@needs_interpreter
+def test_the_tuner_times_the_offered_tiles_and_later_calls_use_the_choice(
+    gen, monkeypatch, tmp_path, only_triton_grouped
+):
+    """End to end on the CPU (the hook made to offer two GPU configs for CPU tensors): the
+    tuner measures the default ``run`` and both configs, and dispatch runs the stored choice."""
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(autotune, "PLAN", autotune.Plan(warmup_ms=1, rep_ms=2, min_reps=2, max_reps=4))
+    monkeypatch.setattr(autotune, "CLOSE_PLAN", autotune.ClosePlan(rep_ms=2, min_blocks=2, max_blocks=2))
+    offered = [dataclasses.asdict(c) for c in launch.grouped_configs(64, 3)[:2]]
+    monkeypatch.setattr(launch, "offered", lambda problem, space: offered)
+    x, w = torch.randn(sum(SPLITS), K, generator=gen).bfloat16(), torch.randn(3, N, K, generator=gen).bfloat16()
+    gg.configure(autotune=True)
+    got = gg.grouped_gemm(x, w, SPLITS, out_dtype=torch.float32)
+    assert rel_error(got, ref_fwd(x, w, SPLITS)) < FP32_OUT_TOL
+    decision = gg.explain(x, w, SPLITS, out_dtype=torch.float32)
+    timed = [t.config for t in decision.tuning.timings]
+    assert sorted(map(json.dumps, timed)) == sorted(map(json.dumps, [None, *offered]))
+    assert decision.selected == "triton_grouped" and decision.config in (None, *offered)
+    runs = []
+    real = TritonGroupedBackend.run_config
+    monkeypatch.setattr(TritonGroupedBackend, "run_config", lambda self, *a: runs.append(a[2]) or real(self, *a))
+    gg.grouped_gemm(x, w, SPLITS, out_dtype=torch.float32)
+    assert runs[-1] == decision.config
