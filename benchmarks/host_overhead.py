@@ -59,7 +59,7 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
 
 def _through_triton_path(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the cached launcher off for the call (two flag writes, well under 1 us)."""
-    from grouped_gemm.backends.triton_mx import launcher
+    from grouped_gemm import triton_launcher as launcher
 
     def call() -> object:
         previous = launcher.set_enabled(False)

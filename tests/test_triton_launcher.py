@@ -3,8 +3,9 @@ takes Triton's own path.
 
 On the CPU: the key function, the direct call against a stand-in kernel, and the fallbacks
 (interpreter, launch hooks, missing internals, the switch). The GPU tests (``pytest -m gpu``)
-check bit-identical results against Triton's path for every launch in launch.py and
-layouts.py, cache hits on repeated calls, and CUDA-graph capture through the cached path.
+check bit-identical results against Triton's path for every launch in launch.py, layouts.py
+and the core's triton_quantizer.py, cache hits on repeated calls, and CUDA-graph capture
+through the cached path.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch
 from triton import knobs
 
 import grouped_gemm as gg
-from grouped_gemm.backends.triton_mx import launch, launcher, layouts
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher, arg_key
+from grouped_gemm import triton_launcher as launcher
+from grouped_gemm.backends.triton_mx import launch, layouts
 from grouped_gemm.device import emulated
-from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.mx import FORMATS, quantize_mx, quantize_mx_weight, triton_quantizer
+from grouped_gemm.triton_launcher import CachedLauncher, arg_key
 
 NAME = "triton_mxfp4"
 
@@ -207,6 +209,20 @@ def test_interpreter_takes_triton_path_and_stays_correct(gen):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.skipif(not launch.interpreted(), reason="runs the kernel in Triton's interpreter")
+def test_interpreter_quantizer_takes_triton_path(gen):
+    """The core quantizer's launches go through CachedLauncher too (Triton's path here)."""
+    x = torch.randn(64, 64, generator=gen)
+    before = triton_quantizer._QUANTIZE_LAST.fallbacks, triton_quantizer._QUANTIZE_STRIDED.fallbacks
+    for axis in (-1, 0):
+        got = triton_quantizer.quantize(x, FORMATS["e4m3"], axis % 2, "rceil", 32, 0)
+        want = quantize_mx(x, "e4m3", axis=axis)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    after = triton_quantizer._QUANTIZE_LAST.fallbacks, triton_quantizer._QUANTIZE_STRIDED.fallbacks
+    assert after == (before[0] + 1, before[1] + 1)
+
+
 # ---- GPU: the cached path against Triton's -----------------------------------------------
 
 LAUNCHERS = (
@@ -217,6 +233,8 @@ LAUNCHERS = (
     launch._WGRAD,
     layouts._MX_UPCAST,
     layouts._QUANTIZE_UPCAST,
+    triton_quantizer._QUANTIZE_LAST,
+    triton_quantizer._QUANTIZE_STRIDED,
 )
 
 
@@ -289,6 +307,9 @@ def test_gpu_decode_and_layout_launches(rows, gen):
     device = torch.device("cuda")
     x = torch.randn(rows, 256, generator=gen).to(device, torch.bfloat16)
     assert _both_paths(lambda: launch.quantize_decode(x, "e4m3", "rceil")) == 1
+    assert _both_paths(lambda: quantize_mx(x, "e4m3", axis=-1).data) == 1  # the core quantizer's launches
+    if rows % 32 == 0:
+        assert _both_paths(lambda: quantize_mx(x, "e2m1", axis=0).data) == 1
     t = quantize_mx(x, "e2m1", axis=0 if rows % 32 == 0 else 1)
     assert _both_paths(lambda: launch.dequantize(t)) == 1
     w = torch.randn(4, 256, 512, generator=gen).to(device, torch.bfloat16)

@@ -23,7 +23,6 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     quantize_decode_kernel,
 )
 from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -32,8 +31,9 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.triton_launcher import CachedLauncher
 
-# One cached launcher per kernel (launcher.py: the host-time saving per launch).
+# One cached launcher per kernel (grouped_gemm/triton_launcher.py: the host-time saving per launch).
 _UPCAST = CachedLauncher(upcast_grouped_kernel)
 _SCALED = CachedLauncher(scaled_grouped_kernel)
 _QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)

@@ -47,9 +47,9 @@ import torch
 import triton
 
 from grouped_gemm.backends.triton_mx import weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.triton_launcher import CachedLauncher
 
 #: Contraction padding of the layout (one int32 of scales covers 128 elements).
 K_ALIGN = 128

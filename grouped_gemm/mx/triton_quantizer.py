@@ -21,6 +21,11 @@ from grouped_gemm.errors import DeviceMismatchError
 from grouped_gemm.mx import triton_kernels
 from grouped_gemm.mx.formats import SCALE_RULES, MXFormat
 from grouped_gemm.mx.tensor import MXTensor
+from grouped_gemm.triton_launcher import CachedLauncher
+
+# Cached launchers (triton_launcher: host time per launch, issue 14).
+_QUANTIZE_LAST = CachedLauncher(triton_kernels.quantize_last)
+_QUANTIZE_STRIDED = CachedLauncher(triton_kernels.quantize_strided)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -85,7 +90,8 @@ def _launch_last(
     warps = tile[2] if tile else 4
     col_tiles = triton.cdiv(nblocks, tile_blocks)
     grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
-    triton_kernels.quantize_last[grid](
+    _QUANTIZE_LAST(
+        grid,
         x,
         data,
         scale,
@@ -128,7 +134,8 @@ def _launch_strided(
     block_tiles = triton.cdiv(nblocks, tile_blocks)
     inner_tiles = triton.cdiv(inner, tile_inner)
     grid = (outer * block_tiles * inner_tiles,)
-    triton_kernels.quantize_strided[grid](
+    _QUANTIZE_STRIDED(
+        grid,
         x,
         row_map if row_map is not None else x,
         data,

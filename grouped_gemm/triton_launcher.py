@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from triton import knobs
 
-from grouped_gemm import ConfigError
+from grouped_gemm.errors import ConfigError
 
 ENV_LAUNCHER = "GROUPED_GEMM_TRITON_LAUNCHER"
 
