@@ -55,6 +55,18 @@ MAX_INT_TUPLES = 4096
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
 
 
+def cdiv(x: int, y: int) -> int:
+    """``triton.cdiv`` for host code: Triton 3.5+ wraps it as a ``constexpr_function``, whose
+    call costs ~2 us on the host (dev CPU) against ~0.05 us here; same formula."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``): the same value for every
+    n below 2**64 (0 for n <= 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class _Uncacheable(Exception):
     """An argument whose specialization this module does not model."""
 

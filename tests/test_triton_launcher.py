@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+import triton
 from triton import knobs
 
 import grouped_gemm as gg
@@ -392,3 +393,13 @@ def test_gpu_cuda_graph_through_cached_path(gen):
     finally:
         launcher.set_enabled(previous)
     _same(out, want)
+
+
+def test_host_grid_arithmetic_matches_triton():
+    """The host copies of ``triton.cdiv`` / ``triton.next_power_of_2`` (``cdiv``'s
+    docstring: Triton's are constexpr functions, slow to call on the host) agree with them."""
+    values = [*range(-3, 300), 2**31 - 1, 2**31, 2**32 + 5, 2**63 - 1, 2**63, 2**64 - 1]
+    for n in values:
+        assert launcher.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 32, 128, 1000):
+            assert launcher.cdiv(n, d) == triton.cdiv(n, d), (n, d)

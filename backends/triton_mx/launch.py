@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm import Problem, Reason
@@ -31,7 +30,7 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
-from grouped_gemm.triton_launcher import CachedLauncher
+from grouped_gemm.triton_launcher import CachedLauncher, cdiv
 
 # One cached launcher per kernel (grouped_gemm/triton_launcher.py: the host-time saving per launch).
 _UPCAST = CachedLauncher(upcast_grouped_kernel)
@@ -77,7 +76,7 @@ def _persistent_programs(
 ) -> int:
     """Programs of a persistent grouped launch: no more than the tiles the schedule can
     hold (each group may add a partial row tile), no more than ``per_sm`` per SM."""
-    most_tiles = (triton.cdiv(m, bm) + groups) * triton.cdiv(n_out, bn)
+    most_tiles = (cdiv(m, bm) + groups) * cdiv(n_out, bn)
     return max(1, min(most_tiles, _units(device) * per_sm))
 
 
@@ -330,9 +329,9 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
     if rows and cols:
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        col_tiles = triton.cdiv(cols, tile.bc)
+        col_tiles = cdiv(cols, tile.bc)
         _QUANTIZE_DECODE(
-            (triton.cdiv(rows, tile.br) * col_tiles,),
+            (cdiv(rows, tile.br) * col_tiles,),
             src,
             src.stride(0),
             out,
@@ -383,10 +382,10 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
         raise InvalidArgumentError("tile", tile, f"a multiple of 32 along the block axis (axis {t.axis})")
     if rows and cols:
         data = _u8(t.data)
-        col_tiles = triton.cdiv(cols, tile.bc)
+        col_tiles = cdiv(cols, tile.bc)
         # One program per tile, 1-D: the kernel walks column tiles fastest.
         _DEQUANT(
-            (triton.cdiv(rows, tile.br) * col_tiles,),
+            (cdiv(rows, tile.br) * col_tiles,),
             data,
             data.stride(0),
             t.scale,
@@ -439,7 +438,7 @@ def launch_wgrad(
     dys, xs = (dy.scale, x.scale) if mx else (dy, x)
     n_out, k_out = out.shape[1], out.shape[2]
     cfg = config or wgrad_config()
-    tiles = groups * triton.cdiv(n_out, cfg.bn) * triton.cdiv(k_out, cfg.bk)
+    tiles = groups * cdiv(n_out, cfg.bn) * cdiv(k_out, cfg.bk)
     programs = max(1, min(tiles, _units(out.device)))
     _WGRAD(
         (programs,),

@@ -14,14 +14,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm.errors import DeviceMismatchError
 from grouped_gemm.mx import triton_kernels
 from grouped_gemm.mx.formats import SCALE_RULES, MXFormat
 from grouped_gemm.mx.tensor import MXTensor
-from grouped_gemm.triton_launcher import CachedLauncher
+from grouped_gemm.triton_launcher import CachedLauncher, cdiv, next_power_of_2
 
 # Cached launchers (triton_launcher: host time per launch, issue 14).
 _QUANTIZE_LAST = CachedLauncher(triton_kernels.quantize_last)
@@ -65,7 +64,7 @@ def format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
-    return min(cap, triton.next_power_of_2(max(n, 1)))
+    return min(cap, next_power_of_2(max(n, 1)))
 
 
 def _launch_last(
@@ -88,8 +87,8 @@ def _launch_last(
     per_tile = 4096 if fmt.bits == 8 else 8192
     tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, per_tile // (tile_blocks * block_size)))
     warps = tile[2] if tile else 4
-    col_tiles = triton.cdiv(nblocks, tile_blocks)
-    grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
+    col_tiles = cdiv(nblocks, tile_blocks)
+    grid = (cdiv(rows, tile_rows) * col_tiles,)
     _QUANTIZE_LAST(
         grid,
         x,
@@ -131,8 +130,8 @@ def _launch_strided(
     # Rows of a block spread over the threads a warp has left after the inner columns
     # (16 per thread); the rest of the block's rows stay in each thread's registers.
     row_threads = min(block_size // fmt.per_byte, max(1, 32 // max(1, tile_inner // 16)))
-    block_tiles = triton.cdiv(nblocks, tile_blocks)
-    inner_tiles = triton.cdiv(inner, tile_inner)
+    block_tiles = cdiv(nblocks, tile_blocks)
+    inner_tiles = cdiv(inner, tile_inner)
     grid = (outer * block_tiles * inner_tiles,)
     _QUANTIZE_STRIDED(
         grid,
