@@ -10,6 +10,7 @@ choices and their reasons: docs/notes/triton_mxfp4.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -65,7 +66,10 @@ def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> t
     return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
 
 
+@functools.cache
 def _units(device: torch.device) -> int:
+    """SMs of a (tensor's, so indexed) CUDA device, once per device: the properties query
+    is host time on every launch otherwise (issue 14)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
@@ -80,8 +84,10 @@ def _persistent_programs(
     return max(1, min(most_tiles, _units(device) * per_sm))
 
 
+@functools.cache
 def ptx_decode(device: torch.device) -> bool:
-    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+."""
+    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+.
+    Once per device: the capability query is host time on every launch otherwise (issue 14)."""
     return (
         device.type == "cuda"
         and not interpreted()
