@@ -6,15 +6,21 @@ call. Each variant is timed in blocks taken in turn over several rounds (median 
 rounds), and one call of each is run under the profiler to count the kernels it launches.
 The Triton routes run twice, with grouped_gemm's cached launcher and through Triton's own
 ``kernel[grid]`` path (``GROUPED_GEMM_TRITON_LAUNCHER=triton``), interleaved in one run.
+``--profile`` then runs each variant under cProfile for ``--calls`` calls and writes the 25
+functions with the most own time to ``DIR/profile/<variant>.txt``: where the host time goes.
 
-    python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR]
+    python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import pathlib
+import pstats
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -59,7 +65,7 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
 
 def _through_triton_path(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the cached launcher off for the call (two flag writes, well under 1 us)."""
-    from grouped_gemm.backends.triton_mx import launcher
+    from grouped_gemm import triton_launcher as launcher
 
     def call() -> object:
         previous = launcher.set_enabled(False)
@@ -88,12 +94,27 @@ def _kernels(fn: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _profile(fn: Callable[[], object], calls: int, path: pathlib.Path) -> None:
+    """The 25 functions with the most own time (tottime) over ``calls`` calls of ``fn``."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    path.write_text(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="cProfile each variant into DIR/profile (needs --out)")
     args = parser.parse_args()
+    if args.profile and args.out is None:
+        parser.error("--profile writes its files under --out DIR")
     device = torch.device("cuda")
     variants = _variants(device)
     runnable = {}
@@ -124,6 +145,12 @@ def main() -> None:
     print(f"{'variant':<64}{'host us/call':>14}{'vs bare':>10}{'kernels':>9}")
     for row in rows:
         print(f"{row['variant']:<64}{row['host_us']:>14.1f}{row['host_us'] - base:>+10.1f}{row['kernels']:>9}")
+    if args.profile:  # after the timing, which the profiler would slow down
+        folder = args.out / "profile"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, fn in runnable.items():
+            _profile(fn, args.calls, folder / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.txt")
+        print(f"profiles: {folder}")
 
 
 if __name__ == "__main__":

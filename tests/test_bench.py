@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -473,3 +474,14 @@ def test_every_benchmark_script_imports_and_parses_its_arguments(script):
     assert done.returncode == 0, done.stderr[-2000:]
     if "argparse" in path.read_text():  # the others are modules of shared helpers
         assert "usage:" in done.stdout
+
+
+def test_host_overhead_profile_writes_the_top_functions(tmp_path):
+    """``host_overhead.py --profile``'s writer, on the CPU: a pstats table sorted by own time."""
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "route.txt"
+    module._profile(lambda: sorted(range(100), key=str), 20, path)
+    text = path.read_text()
+    assert "Ordered by: internal time" in text and "tottime" in text and "sorted" in text

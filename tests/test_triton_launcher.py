@@ -3,8 +3,9 @@ takes Triton's own path.
 
 On the CPU: the key function, the direct call against a stand-in kernel, and the fallbacks
 (interpreter, launch hooks, missing internals, the switch). The GPU tests (``pytest -m gpu``)
-check bit-identical results against Triton's path for every launch in launch.py and
-layouts.py, cache hits on repeated calls, and CUDA-graph capture through the cached path.
+check bit-identical results against Triton's path for every launch in launch.py, layouts.py
+and the core's triton_quantizer.py, cache hits on repeated calls, and CUDA-graph capture
+through the cached path.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import types
 
 import pytest
 import torch
+import triton
 from triton import knobs
 
 import grouped_gemm as gg
-from grouped_gemm.backends.triton_mx import launch, launcher, layouts
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher, arg_key
+from grouped_gemm import triton_launcher as launcher
+from grouped_gemm.backends.triton_mx import launch, layouts
 from grouped_gemm.device import emulated
-from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.mx import FORMATS, quantize_mx, quantize_mx_weight, triton_quantizer
+from grouped_gemm.triton_launcher import CachedLauncher, int_class, int_classes
 
 NAME = "triton_mxfp4"
 
@@ -28,30 +31,72 @@ NAME = "triton_mxfp4"
 # ---- the key ---------------------------------------------------------------------------
 
 
+def _key(*args, **kwargs) -> tuple:
+    """The key of one launch by a launcher shared across the test (signature numbers are per launcher)."""
+    return _KEYS.key(0, args, kwargs)
+
+
 def test_tensor_key_dtype_and_alignment():
     base = torch.zeros(64, dtype=torch.bfloat16)
-    assert arg_key(base) == arg_key(torch.zeros(64, dtype=torch.bfloat16)) == (torch.bfloat16, True)
-    assert arg_key(base[1:]) == (torch.bfloat16, False)  # 2 bytes off: not 16-aligned
-    assert arg_key(base[8:]) == (torch.bfloat16, True)  # 16 bytes off
-    assert arg_key(base.view(torch.int16)) != arg_key(base)
-    assert arg_key(torch.nn.Parameter(torch.zeros(4))) == (torch.float32, True)  # subclasses too
+    assert _key(base) == _key(torch.zeros(64, dtype=torch.bfloat16))
+    assert _key(base[1:]) != _key(base)  # 2 bytes off: not 16-aligned
+    assert _key(base[8:]) == _key(base)  # 16 bytes off
+    assert _key(base.view(torch.int16)) != _key(base)
+    assert _key(torch.nn.Parameter(torch.zeros(4))) == _key(torch.zeros(4))  # subclasses too
 
 
-def test_int_key_classes():
-    keys = {v: arg_key(v) for v in (1, 2, 16, 17, 32, 2**31 - 16, 2**31, -16, 2**63)}
+def test_int_classes():
+    keys = {v: int_class(v) for v in (1, 2, 16, 17, 32, 2**31 - 16, 2**31, -16, 2**63)}
     assert keys[1] != keys[17] != keys[16]
     assert keys[16] == keys[32] != keys[17]
     assert keys[2] == keys[17]  # neither 1 nor a multiple of 16: Triton compiles one kernel for both
     assert keys[2**31 - 16] != keys[2**31]  # i32 -> i64
     assert keys[2**31] != keys[2**63]  # i64 -> u64
     assert keys[-16] == keys[16]
+    assert _key(2) == _key(17) != _key(16)
+    assert int_classes((2, 16)) != int_classes((16, 2))
 
 
 def test_other_scalars_and_unknowns():
-    assert arg_key(True) is bool and arg_key(1.5) is float and arg_key(None) is type(None)
-    assert arg_key(True) != arg_key(1)
+    assert len({_key(True), _key(1), _key(1.5), _key(None)}) == 4
+    assert _key(True) == _key(False) and _key(1.5) == _key(2.5)
     with pytest.raises(launcher._Uncacheable):
-        arg_key("a string")
+        _key("a string")
+
+
+def _reference_key(args: tuple, kwargs: dict) -> tuple:
+    """The key as first written, one Python call per argument: the fast key must split
+    launches exactly as this one does."""
+
+    def one(arg):
+        if isinstance(arg, torch.Tensor):
+            return (arg.dtype, arg.data_ptr() & 15 == 0)
+        if type(arg) is int:
+            return int_class(arg)
+        return type(arg)
+
+    return (*map(one, args), *kwargs.items(), *map(type, kwargs.values()))
+
+
+def test_key_splits_launches_as_the_reference_does():
+    t = torch.zeros(64)
+    h = torch.zeros(64, dtype=torch.float16)
+    values = [t, t[1:], t[4:], h, torch.nn.Parameter(t), 1, 2, 16, 2**31, 2**63, True, 1.0, None]
+    launches = [((a, b), {"BLOCK": c}) for a in values for b in values for c in (1, True, 1.0, 64)]
+    cached = CachedLauncher(_Kernel())
+    fast = [cached.key(0, args, kwargs) for args, kwargs in launches]
+    slow = [_reference_key(args, kwargs) for args, kwargs in launches]
+    for i in range(len(launches)):
+        for j in range(i + 1, len(launches)):
+            assert (fast[i] == fast[j]) == (slow[i] == slow[j]), (launches[i], launches[j])
+
+
+def test_int_class_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(launcher, "MAX_INT_TUPLES", 3)
+    cached = CachedLauncher(_Kernel())
+    for n in range(10):
+        cached.key(0, (n,), {})
+    assert len(cached._int_classes) <= 3
 
 
 # ---- the direct call, against a stand-in for a JITFunction ------------------------------
@@ -84,6 +129,9 @@ class _Kernel:
             return self.compiled_cls(self.calls)
 
         return launch_normal
+
+
+_KEYS = CachedLauncher(_Kernel())
 
 
 def _launcher(kernel) -> CachedLauncher:
@@ -207,6 +255,20 @@ def test_interpreter_takes_triton_path_and_stays_correct(gen):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.skipif(not launch.interpreted(), reason="runs the kernel in Triton's interpreter")
+def test_interpreter_quantizer_takes_triton_path(gen):
+    """The core quantizer's launches go through CachedLauncher too (Triton's path here)."""
+    x = torch.randn(64, 64, generator=gen)
+    before = triton_quantizer._QUANTIZE_LAST.fallbacks, triton_quantizer._QUANTIZE_STRIDED.fallbacks
+    for axis in (-1, 0):
+        got = triton_quantizer.quantize(x, FORMATS["e4m3"], axis % 2, "rceil", 32, 0)
+        want = quantize_mx(x, "e4m3", axis=axis)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    after = triton_quantizer._QUANTIZE_LAST.fallbacks, triton_quantizer._QUANTIZE_STRIDED.fallbacks
+    assert after == (before[0] + 1, before[1] + 1)
+
+
 # ---- GPU: the cached path against Triton's -----------------------------------------------
 
 LAUNCHERS = (
@@ -217,6 +279,8 @@ LAUNCHERS = (
     launch._WGRAD,
     layouts._MX_UPCAST,
     layouts._QUANTIZE_UPCAST,
+    triton_quantizer._QUANTIZE_LAST,
+    triton_quantizer._QUANTIZE_STRIDED,
 )
 
 
@@ -289,6 +353,9 @@ def test_gpu_decode_and_layout_launches(rows, gen):
     device = torch.device("cuda")
     x = torch.randn(rows, 256, generator=gen).to(device, torch.bfloat16)
     assert _both_paths(lambda: launch.quantize_decode(x, "e4m3", "rceil")) == 1
+    assert _both_paths(lambda: quantize_mx(x, "e4m3", axis=-1).data) == 1  # the core quantizer's launches
+    if rows % 32 == 0:
+        assert _both_paths(lambda: quantize_mx(x, "e2m1", axis=0).data) == 1
     t = quantize_mx(x, "e2m1", axis=0 if rows % 32 == 0 else 1)
     assert _both_paths(lambda: launch.dequantize(t)) == 1
     w = torch.randn(4, 256, 512, generator=gen).to(device, torch.bfloat16)
@@ -326,3 +393,13 @@ def test_gpu_cuda_graph_through_cached_path(gen):
     finally:
         launcher.set_enabled(previous)
     _same(out, want)
+
+
+def test_host_grid_arithmetic_matches_triton():
+    """The host copies of ``triton.cdiv`` / ``triton.next_power_of_2`` (``cdiv``'s
+    docstring: Triton's are constexpr functions, slow to call on the host) agree with them."""
+    values = [*range(-3, 300), 2**31 - 1, 2**31, 2**32 + 5, 2**63 - 1, 2**63, 2**64 - 1]
+    for n in values:
+        assert launcher.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 32, 128, 1000):
+            assert launcher.cdiv(n, d) == triton.cdiv(n, d), (n, d)

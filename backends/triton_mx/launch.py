@@ -10,11 +10,11 @@ choices and their reasons: docs/notes/triton_mxfp4.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm import Problem, Reason
@@ -25,7 +25,6 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     quantize_decode_kernel,
 )
 from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -34,8 +33,9 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.triton_launcher import CachedLauncher, cdiv
 
-# One cached launcher per kernel (launcher.py: the host-time saving per launch).
+# One cached launcher per kernel (grouped_gemm/triton_launcher.py: the host-time saving per launch).
 _UPCAST = CachedLauncher(upcast_grouped_kernel)
 _SCALED = CachedLauncher(scaled_grouped_kernel)
 _QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)
@@ -68,7 +68,10 @@ def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> t
     return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
 
 
+@functools.cache
 def _units(device: torch.device) -> int:
+    """SMs of a (tensor's, so indexed) CUDA device, once per device: the properties query
+    is host time on every launch otherwise (issue 14)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
@@ -79,12 +82,14 @@ def _persistent_programs(
 ) -> int:
     """Programs of a persistent grouped launch: no more than the tiles the schedule can
     hold (each group may add a partial row tile), no more than ``per_sm`` per SM."""
-    most_tiles = (triton.cdiv(m, bm) + groups) * triton.cdiv(n_out, bn)
+    most_tiles = (cdiv(m, bm) + groups) * cdiv(n_out, bn)
     return max(1, min(most_tiles, _units(device) * per_sm))
 
 
+@functools.cache
 def ptx_decode(device: torch.device) -> bool:
-    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+."""
+    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+.
+    Once per device: the capability query is host time on every launch otherwise (issue 14)."""
     return (
         device.type == "cuda"
         and not interpreted()
@@ -137,6 +142,20 @@ def _upcast_default(m: int, groups: int) -> UpcastConfig:
     return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
+_Config = TypeVar("_Config")
+
+
+def _looked_up(config_fn: Callable[..., _Config]) -> Callable[..., _Config]:
+    """``config_fn`` remembered per arguments and ``interpreted()`` (which tests patch): a
+    launch looks its default configuration up instead of building a frozen dataclass
+    (~1 us of host time on the dev CPU, issue 14). Bounded for varying M."""
+    cached = functools.lru_cache(maxsize=256)(lambda interp, *args: config_fn(*args))
+    return lambda *args: cached(interpreted(), *args)
+
+
+_upcast_config = _looked_up(upcast_config)
+
+
 def launch_upcast(
     a: torch.Tensor,
     w: UpcastWeight,
@@ -147,7 +166,7 @@ def launch_upcast(
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
     m = a.shape[0]
-    cfg = config or upcast_config(m, groups, w.rows, a.device)
+    cfg = config or _upcast_config(m, groups, w.rows, a.device)
     programs = _persistent_programs(m, groups, cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
     _UPCAST(
         (programs,),
@@ -222,6 +241,9 @@ def _grouped_default(m: int, groups: int) -> GroupedConfig:
     return GroupedConfig(bm=128, bn=128, bk=64, warps=8, stages=4, per_sm=1)
 
 
+_grouped_config = _looked_up(grouped_config)
+
+
 def launch_grouped(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -236,7 +258,7 @@ def launch_grouped(
     n_out, k_red = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
     # Weight strides as (group, contraction, output column).
     stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
-    cfg = config or grouped_config(m, groups)
+    cfg = config or _grouped_config(m, groups)
     programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
     _GROUPED(
         (programs,),
@@ -304,6 +326,9 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+_scaled_config = _looked_up(scaled_config)
+
+
 def launch_scaled(
     a: torch.Tensor | MXTensor,
     w: MXTensor,
@@ -323,7 +348,7 @@ def launch_scaled(
     fwd = w.axis == 2
     n_out = w.shape[1] if fwd else w.shape[2]
     k_red = w.shape[w.axis]
-    cfg = config or scaled_config(m, groups)
+    cfg = config or _scaled_config(m, groups)
     bk = block_k_for(k_red)
     # Weight data / scale strides as (group, contraction, output column).
     wd, ws = _u8(w.data), w.scale
@@ -373,9 +398,9 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
     if rows and cols:
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        col_tiles = triton.cdiv(cols, tile.bc)
+        col_tiles = cdiv(cols, tile.bc)
         _QUANTIZE_DECODE(
-            (triton.cdiv(rows, tile.br) * col_tiles,),
+            (cdiv(rows, tile.br) * col_tiles,),
             src,
             src.stride(0),
             out,
@@ -426,10 +451,10 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
         raise InvalidArgumentError("tile", tile, f"a multiple of 32 along the block axis (axis {t.axis})")
     if rows and cols:
         data = _u8(t.data)
-        col_tiles = triton.cdiv(cols, tile.bc)
+        col_tiles = cdiv(cols, tile.bc)
         # One program per tile, 1-D: the kernel walks column tiles fastest.
         _DEQUANT(
-            (triton.cdiv(rows, tile.br) * col_tiles,),
+            (cdiv(rows, tile.br) * col_tiles,),
             data,
             data.stride(0),
             t.scale,
@@ -480,6 +505,9 @@ def wgrad_config() -> WgradConfig:
 _WGRAD_DEFAULT = WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
 
 
+_wgrad_config = _looked_up(wgrad_config)
+
+
 def launch_wgrad(
     dy: torch.Tensor | MXTensor,
     x: torch.Tensor | MXTensor,
@@ -497,8 +525,8 @@ def launch_wgrad(
     dyd, xd = (_u8(dy.data), _u8(x.data)) if mx else (dy, x)
     dys, xs = (dy.scale, x.scale) if mx else (dy, x)
     n_out, k_out = out.shape[1], out.shape[2]
-    cfg = config or wgrad_config()
-    tiles = groups * triton.cdiv(n_out, cfg.bn) * triton.cdiv(k_out, cfg.bk)
+    cfg = config or _wgrad_config()
+    tiles = groups * cdiv(n_out, cfg.bn) * cdiv(k_out, cfg.bk)
     programs = max(1, min(tiles, _units(out.device)))
     _WGRAD(
         (programs,),

@@ -47,9 +47,9 @@ import torch
 import triton
 
 from grouped_gemm.backends.triton_mx import weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launcher import CachedLauncher
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.triton_launcher import CachedLauncher, cdiv
 
 #: Contraction padding of the layout (one int32 of scales covers 128 elements).
 K_ALIGN = 128
@@ -110,7 +110,7 @@ def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[
     """Grid (one program per group, tile of ``rows`` layout rows and 128-run), row tiles,
     layout strides."""
     runs = lay.k_padded // K_ALIGN
-    row_tiles = triton.cdiv(lay.rows, rows)
+    row_tiles = cdiv(lay.rows, rows)
     strides = (lay.data.stride(0), lay.data.stride(1), lay.data.stride(2), lay.scales.stride(0), lay.scales.stride(1))
     return (groups * row_tiles * runs,), row_tiles, strides
 

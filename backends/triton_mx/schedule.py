@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from grouped_gemm.triton_launcher import next_power_of_2
+
 
 @triton.jit
 def group_table(splits_ptr, num_groups, rows_per_tile: tl.constexpr, col_tiles, MAX_G: tl.constexpr):
@@ -45,4 +47,4 @@ def locate(t, gi, starts, rows, tiles, tile_end, BM: tl.constexpr, BN: tl.conste
 
 def max_groups_bucket(groups: int) -> int:
     """The ``MAX_G`` a launch uses: the next power of two, at least 16."""
-    return max(16, triton.next_power_of_2(groups))
+    return max(16, next_power_of_2(groups))

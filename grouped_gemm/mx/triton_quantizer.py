@@ -14,13 +14,17 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from grouped_gemm.errors import DeviceMismatchError
 from grouped_gemm.mx import triton_kernels
 from grouped_gemm.mx.formats import SCALE_RULES, MXFormat
 from grouped_gemm.mx.tensor import MXTensor
+from grouped_gemm.triton_launcher import CachedLauncher, cdiv, next_power_of_2
+
+# Cached launchers (triton_launcher: host time per launch, issue 14).
+_QUANTIZE_LAST = CachedLauncher(triton_kernels.quantize_last)
+_QUANTIZE_STRIDED = CachedLauncher(triton_kernels.quantize_strided)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -60,7 +64,7 @@ def format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
-    return min(cap, triton.next_power_of_2(max(n, 1)))
+    return min(cap, next_power_of_2(max(n, 1)))
 
 
 def _launch_last(
@@ -83,9 +87,10 @@ def _launch_last(
     per_tile = 4096 if fmt.bits == 8 else 8192
     tile_rows = tile[1] if tile else _pow2_at_most(rows, max(1, per_tile // (tile_blocks * block_size)))
     warps = tile[2] if tile else 4
-    col_tiles = triton.cdiv(nblocks, tile_blocks)
-    grid = (triton.cdiv(rows, tile_rows) * col_tiles,)
-    triton_kernels.quantize_last[grid](
+    col_tiles = cdiv(nblocks, tile_blocks)
+    grid = (cdiv(rows, tile_rows) * col_tiles,)
+    _QUANTIZE_LAST(
+        grid,
         x,
         data,
         scale,
@@ -125,10 +130,11 @@ def _launch_strided(
     # Rows of a block spread over the threads a warp has left after the inner columns
     # (16 per thread); the rest of the block's rows stay in each thread's registers.
     row_threads = min(block_size // fmt.per_byte, max(1, 32 // max(1, tile_inner // 16)))
-    block_tiles = triton.cdiv(nblocks, tile_blocks)
-    inner_tiles = triton.cdiv(inner, tile_inner)
+    block_tiles = cdiv(nblocks, tile_blocks)
+    inner_tiles = cdiv(inner, tile_inner)
     grid = (outer * block_tiles * inner_tiles,)
-    triton_kernels.quantize_strided[grid](
+    _QUANTIZE_STRIDED(
+        grid,
         x,
         row_map if row_map is not None else x,
         data,
