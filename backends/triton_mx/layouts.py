@@ -88,12 +88,16 @@ def _empty_layout(
 #: layout), per op: what the quantize kernel's sweep chose on the H200 (2026-12-03, rows
 #: 16-128 x warps 2-8), when the two kernels shared their tiles; never swept on its own.
 MX_UPCAST_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
-#: The same for the quantize-and-lay-out kernels, per (format, op); see ``train_step.py --prep-sweep``.
+#: The same for the quantize-and-lay-out kernels, per (format, op): the tile with the least
+#: total time over dsv3, qwen3-30B and gpt-oss gate-up weights in ``train_step.py --quick
+#: --prep-sweep`` on the H200 (Triton 3.6, 2026-12-04), e.g. dsv3 E2M1 fwd 0.657 ms, dgrad
+#: 0.795 ms; E4M3 dgrad (integer rounding) from a later run of three tiles: 64 x 4 and 32 x 2
+#: 0.947 ms, 64 x 2 0.991 ms.
 DEFAULT_TILES = {
-    ("e2m1", "fwd"): (32, 2),
-    ("e2m1", "dgrad"): (32, 2),
-    ("e4m3", "fwd"): (32, 2),
-    ("e4m3", "dgrad"): (32, 2),
+    ("e2m1", "fwd"): (128, 4),
+    ("e2m1", "dgrad"): (64, 4),
+    ("e4m3", "fwd"): (64, 4),
+    ("e4m3", "dgrad"): (64, 4),
 }
 
 #: Triton before 3.7 hands a tile's threads to its non-contiguous axes from the first, later
@@ -192,9 +196,18 @@ def quantize_upcast_weight(
             ROWS=rows_per,
             FROM_FIRST=THREADS_FROM_FIRST_AXIS,
             num_warps=warps,
-            **triton_quantizer.format_args(x, FORMATS[fmt], scale_rule),  # the quantizer's own constants
+            **_prep_format_args(x, fmt, scale_rule, rows_contiguous),
         )
     return lay
+
+
+def _prep_format_args(x: torch.Tensor, fmt: str, scale_rule: str, strided: bool) -> dict[str, int]:
+    """The quantizer's own constants (same rules, same rounding). The strided kernel rounds
+    E4M3 with integer ops instead of the hardware fp8 conversion: under Triton 3.6 on the
+    H200 that conversion came out wrong there (byte 5 of every word 0xFC, 2026-12-04), and
+    the integer rounding is bit-identical by construction (``triton_kernels.encode``)."""
+    args = triton_quantizer.format_args(x, FORMATS[fmt], scale_rule)
+    return {**args, "NATIVE": False} if strided else args
 
 
 def _capturing(device: torch.device) -> bool:
