@@ -101,14 +101,16 @@ def _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS
 
 
 # The two quantize-and-lay-out kernels compute the same layout from the same strides; they
-# differ in how a tile is spread over threads, which decides the instruction count (an
-# sm_90 compile of the dsv3 gate-up tiles, SASS per element, E2M1 / E4M3: a (rows, 128)
-# tile had 23.8 / 23.1 along K and 23.9 / 21.2 along N, with up to 224 shuffles and 217
-# registers per thread; these have 18.4 / 12.9 and 18.7 / 13.4, about no shuffles, 55-108
-# registers). Triton gives threads to the contiguous axis, then to the others from the
-# last; axes j and h, listed first, stay in registers, so each thread holds whole 32-blocks:
-# the block maximum and the word packing need no shuffles. ``layouts.quantize_upcast_weight``
-# picks the one whose contiguous axis the weight's strides have.
+# differ in how a tile is spread over threads, which decides the instruction count. Each
+# thread holds whole 32-blocks (axes j and h in its registers), so block maxima and word
+# packing need no shuffles: sm_90 compiles under Triton 3.6, SASS per element, went from
+# 23.8 to 16.8 (E2M1 along K), 23.0 to 13.0 (E4M3 along K) and 23.6 to 20.4 with 56
+# instead of 205 registers (E2M1 along N) against a (rows, 128) tile; on the H200 the dsv3
+# gate-up weight's layouts now take 0.66-0.95 ms instead of 0.90-1.53 (docs/performance.md).
+# Triton gives threads to the contiguous axis, then to the others, from the first one
+# before 3.7 and from the last since: ``_load_threads_first`` loads in the order that keeps
+# j and h in registers with either. ``layouts.quantize_upcast_weight`` picks the kernel
+# whose contiguous axis the weight's strides have.
 
 
 @triton.jit
