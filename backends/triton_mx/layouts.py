@@ -107,7 +107,6 @@ THREADS_FROM_FIRST_AXIS = tuple(int(part) for part in triton.__version__.split("
 
 _MX_UPCAST = CachedLauncher(weight_prep_kernel.mx_upcast_kernel)
 _QUANTIZE_UPCAST = CachedLauncher(weight_prep_kernel.quantize_upcast_kernel)
-_QUANTIZE_UPCAST_STRIDED = CachedLauncher(weight_prep_kernel.quantize_upcast_strided_kernel)
 
 
 def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
@@ -179,9 +178,9 @@ def quantize_upcast_weight(
         rows_per, warps = tile or DEFAULT_TILES[fmt, op]
         grid, row_tiles, strides = _grid_and_strides(lay, groups, rows_per)
         weight_strides = (x.stride(1), x.stride(2)) if fwd else (x.stride(2), x.stride(1))
-        # The same layout either way; the kernel whose tile follows the contiguous axis is faster.
+        # The same layout either way; the tile arrangement that follows the contiguous axis is faster.
         rows_contiguous = weight_strides[0] == 1 and weight_strides[1] != 1
-        (_QUANTIZE_UPCAST_STRIDED if rows_contiguous else _QUANTIZE_UPCAST)(
+        _QUANTIZE_UPCAST(
             grid,
             x,
             lay.data,
@@ -195,6 +194,7 @@ def quantize_upcast_weight(
             *strides,
             ROWS=rows_per,
             FROM_FIRST=THREADS_FROM_FIRST_AXIS,
+            ROWS_CONTIGUOUS=rows_contiguous,
             num_warps=warps,
             **_prep_format_args(x, fmt, scale_rule, rows_contiguous),
         )

@@ -1,6 +1,6 @@
 """Kernels that write the upcast weight layout (``layouts.UpcastWeight``) in one pass.
 
-- ``quantize_upcast_kernel`` / ``quantize_upcast_strided_kernel``: a high-precision
+- ``quantize_upcast_kernel``: a high-precision
   (bf16 / fp16 / fp32) weight straight to the layout of E2M1 or E4M3 (``layouts_e4m3``: a
   byte per element, int64 words), quantizing each 32-block with the MX quantizer's own jit
   helpers (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the
@@ -9,8 +9,8 @@
   or 1.03 (E4M3) bytes per element, with no MXTensor in between and nothing read back to
   the host. (E4M3 never needs the prebuilt layout's NaN-block rule: a finite block
   saturates to ±448, never the NaN code, and a non-finite block gets scale byte 255 and
-  zero codes, as in the quantizer.) Two kernels with one result, one per contiguous axis
-  of the input (the comment above them says why).
+  zero codes, as in the quantizer.) One tile arrangement per contiguous axis of the
+  input (its docstring says why).
 - ``mx_upcast_kernel``: an E2M1 ``MXTensor`` (packed codes + scale bytes) to the layout,
   for all groups in one launch.
 
@@ -100,19 +100,6 @@ def _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS
     tl.store(scale_ptr + g * ss_g + run * ss_run + row, packed, mask=row < rows)
 
 
-# The two quantize-and-lay-out kernels compute the same layout from the same strides; they
-# differ in how a tile is spread over threads, which decides the instruction count. Each
-# thread holds whole 32-blocks (axes j and h in its registers), so block maxima and word
-# packing need no shuffles: sm_90 compiles under Triton 3.6, SASS per element, went from
-# 23.8 to 16.8 (E2M1 along K), 23.0 to 13.0 (E4M3 along K) and 23.6 to 20.4 with 56
-# instead of 205 registers (E2M1 along N) against a (rows, 128) tile; on the H200 the dsv3
-# gate-up weight's layouts now take 0.66-0.95 ms instead of 0.90-1.53 (docs/performance.md).
-# Triton gives threads to the contiguous axis, then to the others, from the first one
-# before 3.7 and from the last since: ``_load_threads_first`` loads in the order that keeps
-# j and h in registers with either. ``layouts.quantize_upcast_weight`` picks the kernel
-# whose contiguous axis the weight's strides have.
-
-
 @triton.jit
 def quantize_upcast_kernel(
     w_ptr,
@@ -141,79 +128,57 @@ def quantize_upcast_kernel(
     BF16_BITS: tl.constexpr,
     NATIVE: tl.constexpr,
     FROM_FIRST: tl.constexpr,
+    ROWS_CONTIGUOUS: tl.constexpr,
 ):
     """One (group, ROWS-row tile, 128-run) of a weight quantized to E2M1 (``NBITS`` 4) or
-    E4M3 (8) straight into the layout; fastest where the contraction is contiguous (fwd).
-    Tile axes (j, b, row, e): contraction element ``32b + 8j + e`` (e = 2q + h, a 16-byte
-    vector)."""
-    g, run, row0 = _tile(runs, row_tiles, ROWS)
-    j = tl.arange(0, 4)[:, None, None, None]
-    b = tl.arange(0, 4)[None, :, None, None]
-    row = row0 + tl.arange(0, ROWS)[None, None, :, None]
-    c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
-    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
-    x = widen(raw, BF16_BITS)
-    inv_scale, nonfinite, scale_bytes = _block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[None, :, :, None], 0, code)
-    jj = tl.arange(0, 4)[:, None, None, None, None]
-    hh = tl.arange(0, 2)[None, None, None, None, :]
-    words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
-    row3 = row0 + tl.arange(0, ROWS)[None, :, None]
-    offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, None, :] + tl.arange(0, 4)[:, None, None]
-    tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
-    _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
+    E4M3 (8) straight into the layout.
 
-
-@triton.jit
-def quantize_upcast_strided_kernel(
-    w_ptr,
-    data_ptr,
-    scale_ptr,
-    rows,
-    k_red,
-    runs,
-    row_tiles,
-    sw_g,
-    sw_row,
-    sw_k,
-    sd_g,
-    sd_row,
-    sd_run,
-    ss_g,
-    ss_run,
-    ROWS: tl.constexpr,
-    RULE: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
-    NBITS: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    NATIVE: tl.constexpr,
-    FROM_FIRST: tl.constexpr,
-):
-    """``quantize_upcast_kernel``'s result, fastest where the layout rows are contiguous
-    (dgrad: rows are K). Tile axes (j, h, b, q, row): contraction element ``32b + 8j + 2q + h``."""
+    Two tile arrangements, one result: ``ROWS_CONTIGUOUS`` (dgrad: the layout rows are K,
+    contiguous) tiles (j, h, b, q, row), contraction element ``32b + 8j + 2q + h``; otherwise
+    (fwd: the contraction is contiguous) (j, b, row, e), element ``32b + 8j + e`` with
+    e = 2q + h a 16-byte vector. Either way a thread holds whole 32-blocks (j and h in its
+    registers), so block maxima and word packing need no shuffles: sm_90 compiles under
+    Triton 3.6, SASS per element, went from 23.8 to 16.8 (E2M1 along K), 23.0 to 13.0 (E4M3
+    along K) and 23.6 to 20.4 with 56 instead of 205 registers (E2M1 along N) against one
+    (rows, 128) tile for both; on the H200 the dsv3 gate-up weight's layouts take 0.66-0.95
+    ms instead of 0.90-1.53 (docs/performance.md). Triton gives threads to the contiguous
+    axis, then to the others, from the first one before 3.7 and from the last since:
+    ``_load_threads_first`` loads in the order that keeps j and h in registers with either.
+    ``layouts.quantize_upcast_weight`` picks the arrangement from the weight's strides."""
     g, run, row0 = _tile(runs, row_tiles, ROWS)
-    j = tl.arange(0, 4)[:, None, None, None, None]
-    h = tl.arange(0, 2)[None, :, None, None, None]
-    b = tl.arange(0, 4)[None, None, :, None, None]
-    q = tl.arange(0, 4)[None, None, None, :, None]
-    row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
-    c = run * 128 + 32 * b + 8 * j + 2 * q + h
-    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    mask = (row < rows) & (c < k_red)
-    x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
-    amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
-    inv_scale, nonfinite, scale_bytes = _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[None, None, :, None, :], 0, code)
-    words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
-    row3 = row0 + tl.arange(0, ROWS)[None, None, :]
-    offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[:, None, None]
+    if ROWS_CONTIGUOUS:
+        j = tl.arange(0, 4)[:, None, None, None, None]
+        h = tl.arange(0, 2)[None, :, None, None, None]
+        b = tl.arange(0, 4)[None, None, :, None, None]
+        q = tl.arange(0, 4)[None, None, None, :, None]
+        row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
+        c = run * 128 + 32 * b + 8 * j + 2 * q + h
+        ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+        mask = (row < rows) & (c < k_red)
+        x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
+        amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
+        inv_scale, nonfinite, scale_bytes = _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
+        code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = tl.where(nonfinite[None, None, :, None, :], 0, code)
+        words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
+        row3 = row0 + tl.arange(0, ROWS)[None, None, :]
+        offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[:, None, None]
+    else:
+        j = tl.arange(0, 4)[:, None, None, None]
+        b = tl.arange(0, 4)[None, :, None, None]
+        row = row0 + tl.arange(0, ROWS)[None, None, :, None]
+        c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
+        ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+        raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
+        x = widen(raw, BF16_BITS)
+        inv_scale, nonfinite, scale_bytes = _block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
+        code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = tl.where(nonfinite[None, :, :, None], 0, code)
+        jj = tl.arange(0, 4)[:, None, None, None, None]
+        hh = tl.arange(0, 2)[None, None, None, None, :]
+        words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
+        row3 = row0 + tl.arange(0, ROWS)[None, :, None]
+        offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, None, :] + tl.arange(0, 4)[:, None, None]
     tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
