@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
-from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, widen
+from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
 
 
 @triton.jit
@@ -151,11 +151,9 @@ def quantize_decode_kernel(
     c = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     row_ok = (r < rows)[:, None, None]
     x = widen(tl.load(X + r64 * stride_x + c, mask=row_ok & (c < cols), other=0), BF16_BITS)
-    amax = block_amax(x, 2, -1)
-    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    inv_scale, _, scale_bytes = block_scales(block_amax(x, 2, -1), RULE, EMAX, MAX_MANT, MBITS)
     code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    scale = e8m0_to_fp32(tl.where(amax >= 0x7F800000, 255, exp + 127))
+    scale = e8m0_to_fp32(scale_bytes)
     values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
     tl.store(Out + r64 * stride_o + c, values.to(Out.dtype.element_ty), mask=row_ok & (c < cols))
 

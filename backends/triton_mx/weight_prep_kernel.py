@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from grouped_gemm.mx.triton_kernels import block_amax, encode, scale_exponent, widen
+from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
 
 
 @triton.jit
@@ -67,16 +67,6 @@ def _load_threads_first(ptrs, mask, THREADED: tl.constexpr, BACK: tl.constexpr, 
     if FROM_FIRST:
         return tl.permute(tl.load(tl.permute(ptrs, THREADED), mask=tl.permute(mask, THREADED), other=0), BACK)
     return tl.load(ptrs, mask=mask, other=0)
-
-
-@triton.jit
-def _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS):
-    """The quantizer's steps (``quantize_last``) per block: amax bits -> E8M0 exponent ->
-    (power-of-two reciprocal, whether the block holds NaN / Inf, scale byte: 255 there).
-    Blocks past the contraction read zeros: byte 0 and zero codes, the layout's padding."""
-    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    nonfinite = amax >= 0x7F800000
-    return ((127 - exp) << 23).to(tl.float32, bitcast=True), nonfinite, tl.where(nonfinite, 255, exp + 127)
 
 
 @triton.jit
@@ -157,7 +147,7 @@ def quantize_upcast_kernel(
         mask = (row < rows) & (c < k_red)
         x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
         amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
-        inv_scale, nonfinite, scale_bytes = _block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
+        inv_scale, nonfinite, scale_bytes = block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
         code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         code = tl.where(nonfinite[None, None, :, None, :], 0, code)
         words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
@@ -171,7 +161,7 @@ def quantize_upcast_kernel(
         ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
         raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
         x = widen(raw, BF16_BITS)
-        inv_scale, nonfinite, scale_bytes = _block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
+        inv_scale, nonfinite, scale_bytes = block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
         code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         code = tl.where(nonfinite[None, :, :, None], 0, code)
         jj = tl.arange(0, 4)[:, None, None, None, None]

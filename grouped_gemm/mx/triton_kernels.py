@@ -12,7 +12,7 @@ fp8 conversion, see ``encode``):
   a row map (-1 = a zero row): the grouped helpers use that to pad each group's rows to a
   multiple of 32 without materializing a padded copy.
 
-The jit helpers ``widen``, ``block_amax``, ``scale_exponent`` and ``encode`` are public:
+The jit helpers ``widen``, ``block_amax``, ``scale_exponent``, ``block_scales`` and ``encode`` are public:
 kernels that quantize on the way to another layout (the Triton backends' weight
 preparation and quantize-and-decode passes) call them, so their results match this
 quantizer bit for bit by construction.
@@ -90,6 +90,16 @@ def block_amax(x, AXIS: tl.constexpr, AXIS2: tl.constexpr):
 
 
 @triton.jit
+def block_scales(amax, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr):
+    """Per block, from its amax bits: (the power-of-two reciprocal of its scale, fp32;
+    whether it holds NaN / Inf; its E8M0 scale byte, 255 for those blocks, whose codes are
+    zeroed)."""
+    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
+    nonfinite = amax >= 0x7F800000
+    return ((127 - exp) << 23).to(tl.float32, bitcast=True), nonfinite, tl.where(nonfinite, 255, exp + 127)
+
+
+@triton.jit
 def quantize_last(
     x_ptr,
     data_ptr,
@@ -128,11 +138,8 @@ def quantize_last(
         k = tl.arange(0, BLOCK // CHUNK)[None, None, :, None]
         c = b * BLOCK + k * CHUNK + tl.arange(0, CHUNK)[None, None, None, :]
         x = widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-        amax = block_amax(x, 3, 2)
-        exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-        nonfinite = amax >= 0x7F800000
-        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-        code = encode(x * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        inv_scale, nonfinite, scale_bytes = block_scales(block_amax(x, 3, 2), RULE, EMAX, MAX_MANT, MBITS)
+        code = encode(x * inv_scale[:, :, None, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         lo, hi = tl.split(tl.reshape(code, (TILE_BLOCKS, TILE_ROWS, BLOCK // CHUNK, CHUNK // 2, 2)))
         packed = tl.where(nonfinite[:, :, None, None], 0, lo | (hi << 4))  # once per packed byte
         p = b * (BLOCK // 2) + k * (CHUNK // 2) + tl.arange(0, CHUNK // 2)[None, None, None, :]
@@ -144,10 +151,7 @@ def quantize_last(
         b = b1[None, :, None]
         c = b * BLOCK + tl.arange(0, BLOCK)[None, None, :]
         x = widen(tl.load(x_ptr + r * length + c, mask=(r < rows) & (c < length), other=0), BF16_BITS)
-        amax = block_amax(x, 2, -1)
-        exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-        nonfinite = amax >= 0x7F800000
-        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        inv_scale, nonfinite, scale_bytes = block_scales(block_amax(x, 2, -1), RULE, EMAX, MAX_MANT, MBITS)
         code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
         code = tl.where(nonfinite[:, :, None], 0, code)
         tl.store(data_ptr + r * padded + c, code.to(tl.uint8), mask=(r < rows) & (c < padded))
@@ -156,7 +160,7 @@ def quantize_last(
     nblocks = padded // BLOCK
     tl.store(
         scale_ptr + r2 * nblocks + b2,
-        tl.where(nonfinite, 255, exp + 127).to(tl.uint8),
+        scale_bytes.to(tl.uint8),
         mask=(r2 < rows) & (b2 < nblocks),
     )
 
@@ -221,20 +225,18 @@ def quantize_strided(
     if NBITS == 4:
         x1 = _load_rows(x_ptr, map_ptr, o, j + 1, i, length, padded, inner, HAS_MAP, BF16_BITS)
         amax = tl.maximum(amax, block_amax(x1, 2, -1))
-    amax = tl.max(amax, axis=0)
-    exp = scale_exponent(amax, RULE, EMAX, MAX_MANT, MBITS)
-    nonfinite = (amax >= 0x7F800000)[None, :, None, :]
-    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)[None, :, None, :]
+    inv_scale, nonfinite, scale_bytes = block_scales(tl.max(amax, axis=0), RULE, EMAX, MAX_MANT, MBITS)
+    inv_scale = inv_scale[None, :, None, :]
     code = encode(x0 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     if NBITS == 4:
         code = code | (encode(x1 * inv_scale, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE) << 4)
-    code = tl.where(nonfinite, 0, code)  # once per packed byte
+    code = tl.where(nonfinite[None, :, None, :], 0, code)  # once per packed byte
     nblocks = padded // BLOCK
     b2 = b1[:, None]
     i2 = i1[None, :]
     tl.store(
         scale_ptr + (o * nblocks + b2) * inner + i2,
-        tl.where(amax >= 0x7F800000, 255, exp + 127).to(tl.uint8),
+        scale_bytes.to(tl.uint8),
         mask=(b2 < nblocks) & (i2 < inner),
     )
     out_row = j // PER
