@@ -196,11 +196,8 @@ def mx_upcast_kernel(
     ss_run,
     ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    run = pid % runs
-    row_tile = (pid // runs) % row_tiles
-    g = (pid // (runs * row_tiles)).to(tl.int64)
-    row = row_tile * ROWS + tl.arange(0, ROWS)
+    g, run, row0 = _tile(runs, row_tiles, ROWS)
+    row = row0 + tl.arange(0, ROWS)
     row_ok = row < rows
     c = run * 128 + tl.arange(0, 128)
     # Two codes per byte along the contraction: element c is nibble c % 2 of byte c // 2.
