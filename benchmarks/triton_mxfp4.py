@@ -178,7 +178,7 @@ def run_case(case: dict, split_name: str, recipes: list[str], device: torch.devi
                 "met": None if goal is None else peer_ms / ms >= goal,
                 "sqnr_db": quality,
                 "dequant_ms": dequant_ms,
-                "config": str(launch.upcast_config(m, g, n, device)),
+                "config": str(launch.upcast_config(m, g)),
                 "weight_gbps": (wq.data.numel() + wq.scale.numel()) / ms / 1e6,
             }
         )

@@ -248,7 +248,7 @@ def _default(name, op, arch, m, groups):
     if name == "triton_grouped":
         return launch.grouped_config(m, groups)
     if arch == "sm_90":
-        return launch.upcast_config(m, groups, 1024, torch.device("cuda"))
+        return launch.upcast_config(m, groups)
     return launch.scaled_config(m, groups)
 
 

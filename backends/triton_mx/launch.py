@@ -121,7 +121,7 @@ class UpcastConfig:
         return (self.bm * self.bn + self.bn * 16 * self.blocks) // (32 * self.warps)
 
 
-def upcast_config(m: int, groups: int, n_out: int, device: torch.device) -> UpcastConfig:
+def upcast_config(m: int, groups: int) -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring)."""
     if interpreted():
         return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
@@ -166,7 +166,7 @@ def launch_upcast(
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
     m = a.shape[0]
-    cfg = config or _upcast_config(m, groups, w.rows, a.device)
+    cfg = config or _upcast_config(m, groups)
     programs = _persistent_programs(m, groups, cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
     _UPCAST(
         (programs,),
