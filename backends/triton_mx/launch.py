@@ -224,9 +224,11 @@ class GroupedConfig:
 
 
 def grouped_config(m: int, groups: int) -> GroupedConfig:
-    """The default configuration of the plain grouped kernel. Not yet measured on a GPU:
-    128 x 128 x 64 tiles for large groups (the usual Hopper bf16 GEMM tile), smaller row
-    tiles when the mean group is small, so few-token experts waste fewer masked rows."""
+    """The default configuration of the plain grouped kernel: 128 x 128 x 64 tiles for large
+    groups (the usual Hopper bf16 GEMM tile), smaller row tiles when the mean group is
+    small, so few-token experts waste fewer masked rows. Not swept as defaults: the one
+    H200 tile sweep (docs/performance.md, two cases) found 128 x 256 1.36x faster on
+    qwen3-30B fwd / dgrad, which autotuning can pick (``grouped_configs``)."""
     if interpreted():
         return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
     return _grouped_default(m, groups)
