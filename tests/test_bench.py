@@ -49,6 +49,22 @@ def test_select_cases_all_subset_and_errors():
             shapes.select_cases("all", bad)
 
 
+def test_rows_per_group_runs_each_case_at_each_token_count():
+    base = shapes.select_cases("gptoss120b_down")[0]
+    cases = shapes.select_cases("gptoss120b_down,qwen3_30b_down", rows_per_group="64, 128,64")
+    assert [c.name for c in cases] == [
+        "gptoss120b_down@64rpg",
+        "gptoss120b_down@128rpg",
+        "qwen3_30b_down@64rpg",
+        "qwen3_30b_down@128rpg",
+    ]
+    assert (cases[1].groups, cases[1].m, cases[1].n, cases[1].k) == (base.groups, 128 * base.groups, base.n, base.k)
+    assert sum(cases[0].splits("skewed")) == cases[0].m
+    for bad in ("", "0", "-4", "1.5", "x", str(shapes.MAX_ROWS_PER_GROUP + 1)):
+        with pytest.raises(gg.InvalidArgumentError, match="rows-per-group"):
+            shapes.select_cases("gptoss120b_down", rows_per_group=bad)
+
+
 def test_scaled_cases_keep_groups_and_round_dims_up_to_32():
     case = next(c for c in shapes.all_cases() if c.name == "qwen3_235b_gateup").scaled(0.01)
     assert (case.groups, case.m, case.n, case.k) == (128, 655, 32, 64)  # 30.72 -> 32, 40.96 -> 64

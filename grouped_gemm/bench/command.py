@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
     )
     p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {_CPU_SCALE} on the CPU)")
+    p.add_argument(
+        "--rows-per-group",
+        help="comma-separated token counts per expert: run each case at M = count x G instead of its own M",
+    )
     add_device_option(p)
     p.add_argument("--warmup-ms", type=float, help="warm-up before a backend's first block, ms (GPU 25, CPU 2)")
     p.add_argument("--rep-ms", type=float, help="timed calls per backend and problem, in ms (GPU default 150, CPU 20)")
@@ -124,7 +128,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
     if cases is None:
         cases = _CPU_MX_CASES if cpu and any(gg.get_recipe(r).is_mx for r in recipes) else "all"
     return BenchOptions(
-        cases=tuple(select_cases(cases, scale)),
+        cases=tuple(select_cases(cases, scale, args.rows_per_group)),
         ops=tuple(parse_list(args.ops, "ops", OPS)),
         splits=tuple(parse_list(args.splits, "splits", SPLIT_KINDS)),
         recipes=recipes,

@@ -49,6 +49,11 @@ class Case:
 
         return Case(self.name, self.groups, max(1, round(self.m * scale)), dim(self.n), dim(self.k))
 
+    def with_rows_per_group(self, rows: int) -> Case:
+        """The same experts with ``rows`` tokens per group on average (M = rows x G), named
+        ``<name>@<rows>rpg``: where a backend's lead depends on the token count."""
+        return Case(f"{self.name}@{rows}rpg", self.groups, rows * self.groups, self.n, self.k)
+
     def splits(self, kind: str) -> list[int]:
         """Group sizes by the shapes file's rule for ``kind`` (balanced or skewed, seed 0)."""
         if kind == "balanced":
@@ -70,8 +75,14 @@ def all_cases() -> tuple[Case, ...]:
     return tuple(Case(name=c["name"], groups=c["G"], m=c["M"], n=c["N"], k=c["K"]) for c in shapes_document()["cases"])
 
 
-def select_cases(spec: str, scale: float = 1.0) -> list[Case]:
-    """Cases named by ``spec``: ``"all"`` or comma-separated names, scaled by ``scale``."""
+#: Tokens per expert a ``--rows-per-group`` run may ask for (M = rows x G stays allocatable).
+MAX_ROWS_PER_GROUP = 1 << 16
+
+
+def select_cases(spec: str, scale: float = 1.0, rows_per_group: str | None = None) -> list[Case]:
+    """Cases named by ``spec``: ``"all"`` or comma-separated names, scaled by ``scale``;
+    with ``rows_per_group`` (comma-separated positive ints) each case once per token count
+    instead of at its own M."""
     if not isinstance(scale, (int, float)) or not 0.0 < scale <= 1.0:
         raise InvalidArgumentError("scale", scale, "a number in (0, 1]: 1 is the real shapes, 0.01 a CPU smoke run")
     cases = all_cases()
@@ -83,7 +94,15 @@ def select_cases(spec: str, scale: float = 1.0) -> list[Case]:
         if "all" in names:
             raise InvalidArgumentError("cases", spec, "'all' alone or a list of case names, not both")
         chosen = [by_name[n] for n in names]
-    return [c.scaled(float(scale)) for c in chosen]
+    scaled = [c.scaled(float(scale)) for c in chosen]
+    if rows_per_group is None:
+        return scaled
+    counts = [v.strip() for v in rows_per_group.split(",") if v.strip()]
+    if not counts or not all(v.isdigit() and 0 < int(v) <= MAX_ROWS_PER_GROUP for v in counts):
+        raise InvalidArgumentError(
+            "rows-per-group", rows_per_group, f"comma-separated integers from 1 to {MAX_ROWS_PER_GROUP}"
+        )
+    return [c.with_rows_per_group(int(v)) for c in scaled for v in dict.fromkeys(counts)]
 
 
 def parse_list(value: str, argument: str, allowed: tuple[str, ...]) -> list[str]:
