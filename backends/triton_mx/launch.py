@@ -137,9 +137,12 @@ def _upcast_default(m: int, groups: int) -> UpcastConfig:
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
+    # The two large-group tiles as H200 sweeps found them (benchmarks/tile_sweep.py,
+    # 2026-12-04, docs/performance.md): 4 stages 1.04-1.17x over 3 on gpt-oss (128 rows per
+    # group); two programs per SM 1.01-1.16x over one on dsv3 and qwen3-30B (512, 256).
     if mean_rows <= 160:
-        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
-    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
+        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=4, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=2)
 
 
 _Config = TypeVar("_Config")
@@ -224,11 +227,11 @@ class GroupedConfig:
 
 
 def grouped_config(m: int, groups: int) -> GroupedConfig:
-    """The default configuration of the plain grouped kernel: 128 x 128 x 64 tiles for large
-    groups (the usual Hopper bf16 GEMM tile), smaller row tiles when the mean group is
-    small, so few-token experts waste fewer masked rows. Not swept as defaults: the one
-    H200 tile sweep (docs/performance.md, two cases) found 128 x 256 1.36x faster on
-    qwen3-30B fwd / dgrad, which autotuning can pick (``grouped_configs``)."""
+    """The default configuration of the plain grouped kernel: 128 x 256 x 64 tiles in 3
+    stages for large groups, smaller row tiles when the mean group is small, so few-token
+    experts waste fewer masked rows. H200 sweeps (docs/performance.md, 2026-12-04) found
+    128 x 256 1.23-1.47x faster than 128 x 128 on the skewed qwen3-30B and gpt-oss cases,
+    and 3 stages within 2 % of 4 (144 KB of shared memory: it fits sm_80's 164 KB)."""
     if interpreted():
         return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
     return _grouped_default(m, groups)
@@ -240,7 +243,7 @@ def _grouped_default(m: int, groups: int) -> GroupedConfig:
         return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=3, per_sm=2)
     if mean_rows <= 64:
         return GroupedConfig(bm=64, bn=128, bk=64, warps=4, stages=4, per_sm=2)
-    return GroupedConfig(bm=128, bn=128, bk=64, warps=8, stages=4, per_sm=1)
+    return GroupedConfig(bm=128, bn=256, bk=64, warps=8, stages=3, per_sm=1)
 
 
 _grouped_config = _looked_up(grouped_config)
