@@ -10,7 +10,8 @@ CUDA events, median per contender, operand sets rotated past the L2):
 - ``triton_grouped``, bf16: fwd, dgrad, wgrad to a new bf16 result, and wgrad accumulated
   into an fp32 ``main_grad`` (``accumulate=True``);
 - ``triton_mxfp4``: a16w4 (fwd, dgrad) and mxfp4; ``triton_mxfp8``: mxfp8. Weights and
-  activations are bf16 tensors quantized in every call, as in training. Their wgrad is
+  activations are bf16 tensors quantized in every call, as in training (``--mx-weights
+  prequantized``: fwd / dgrad weights handed in as MXTensors, as inference runs). Their wgrad is
   timed accumulating into fp32: on sm_90 a new bf16 wgrad result goes to
   ``torch._grouped_mm`` (the vendor route), which has no tiles to tune.
 
@@ -48,12 +49,13 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.bench import peer
-from grouped_gemm.bench.operands import OperandSets, make_operands
+from grouped_gemm.bench.operands import Operands, OperandSets, make_operands
 from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan, median, time_in_rounds
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.registry import registry
 from grouped_gemm.testing import rel_error
+from grouped_gemm.tools import prequantized_weight
 
 OPS = ("fwd", "dgrad", "wgrad")
 QUICK_CASES = "dsv3_gateup_ep8,qwen3_30b_gateup,gptoss120b_gateup,gptoss120b_gateup_decode"
@@ -148,11 +150,30 @@ def _result(backend: Any, problem: gg.Problem, s: Any, splits: torch.Tensor, con
     return backend.run_config(problem, GroupedInputs(s.a, s.b, splits, out), config)
 
 
+def with_mx_weights(sets: OperandSets, recipe: str, op: str) -> OperandSets:
+    """The sets with each weight replaced by its MXTensor for ``op`` (the inference path:
+    the kernel alone, no weight preparation in the timed call); new sets, so the bf16
+    variants of the same problem keep their bf16 weights."""
+    return OperandSets([Operands(s.a, prequantized_weight(s.b, recipe, op)) for s in sets.sets], sets.splits)
+
+
 def sweep(
-    case: Case, kind: str, op: str, v: Variant, sets: OperandSets, device: torch.device, plan: TimingPlan
+    case: Case,
+    kind: str,
+    op: str,
+    v: Variant,
+    sets: OperandSets,
+    device: torch.device,
+    plan: TimingPlan,
+    prequantized: bool = False,
 ) -> dict[str, Any]:
-    """One (problem, backend, recipe): every offered config checked, then timed with the peer."""
+    """One (problem, backend, recipe): every offered config checked, then timed with the peer
+    (on the bf16 sets: the peer multiplies bf16 operands)."""
     row: dict[str, Any] = {"case": case.name, "splits": kind, "op": op, "variant": v.label}
+    peer_sets = sets
+    if prequantized and op != "wgrad" and gg.get_recipe(v.recipe).is_mx:
+        sets = with_mx_weights(sets, v.recipe, op)
+        row["variant"] += " w:prequantized"
     row.update(G=case.groups, M=case.m, N=case.n, K=case.k)
     first, count = sets.first, len(sets.sets)
     splits = torch.tensor(sets.splits, dtype=torch.int32, device=device)
@@ -191,7 +212,8 @@ def sweep(
 
         return run
 
-    calls = [runner(e["config"]) for e in live] + [peer.runner(op, sets.sets, peer.group_ends(sets.splits, device))]
+    calls = [runner(e["config"]) for e in live]
+    calls.append(peer.runner(op, peer_sets.sets, peer.group_ends(sets.splits, device)))
     timed = time_in_rounds(calls, [count] * len(calls), device, plan)
     for e, t in zip(live, timed, strict=False):
         if t.error is not None:
@@ -213,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"cases {QUICK_CASES}, balanced, lighter timing")
     p.add_argument(
         "--max-seconds", type=float, help=f"start no sweep after this long (--quick: {QUICK_MAX_SECONDS:.0f})"
+    )
+    p.add_argument(
+        "--mx-weights",
+        choices=("per-call", "prequantized"),
+        default="per-call",
+        help="MX fwd / dgrad weights: bf16 quantized inside each call (training) or an MXTensor (inference)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-results")
@@ -252,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     sets = make_operands(op, case, case.splits(kind), torch.bfloat16, device, args.seed)
                     for _, v in (t for t in todo if t[0] == op):
-                        r = sweep(case, kind, op, v, sets, device, plan)
+                        r = sweep(case, kind, op, v, sets, device, plan, args.mx_weights == "prequantized")
                         rows.append(r)
                         partial.write(json.dumps(r) + "\n")
                         partial.flush()

@@ -68,16 +68,22 @@ def test_without_a_gpu_it_says_so(capsys):
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    ("op", "variant"),
-    [("fwd", tile_sweep.VARIANTS[0]), ("wgrad", tile_sweep.VARIANTS[-1])],
-    ids=["grouped_fwd", "mxfp8_wgrad_accumulate"],
+    ("op", "variant", "prequantized"),
+    [
+        ("fwd", tile_sweep.VARIANTS[0], False),
+        ("wgrad", tile_sweep.VARIANTS[-1], False),
+        ("dgrad", tile_sweep.VARIANTS[2], True),
+    ],
+    ids=["grouped_fwd", "mxfp8_wgrad_accumulate", "a16w4_dgrad_prequantized"],
 )
-def test_one_sweep_checks_and_times_every_config(op, variant, monkeypatch):
+def test_one_sweep_checks_and_times_every_config(op, variant, prequantized, monkeypatch):
     monkeypatch.setattr(launch, "offered", lambda problem, space: [dataclasses.asdict(c) for c in space[:2]])
     case = Case("tiny", 3, 40, 64, 64)
     sets = make_operands(op, case, [7, 0, 33], torch.bfloat16, torch.device("cpu"), 0)
     plan = TimingPlan(warmup_ms=0.0, rep_ms=0.0, min_reps=1, max_reps=1, rounds=1)
-    row = tile_sweep.sweep(case, "skewed", op, variant, sets, torch.device("cpu"), plan)
+    row = tile_sweep.sweep(case, "skewed", op, variant, sets, torch.device("cpu"), plan, prequantized)
     assert "error" not in row, row.get("error")
+    assert row["variant"].endswith(" w:prequantized") == prequantized
+    assert all(type(s.b) is torch.Tensor for s in sets.sets), "the caller's bf16 sets are left as they were"
     assert len(row["configs"]) == 2 and all(e["ms"] > 0 and e["rel_vs_default"] < 1e-2 for e in row["configs"])
     assert row["peer_ms"] > 0 and row["best"] in (0, 1) and row["speedup"] >= 1.0
