@@ -137,12 +137,12 @@ def _upcast_default(m: int, groups: int) -> UpcastConfig:
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
-    # The two large-group tiles as H200 sweeps found them (benchmarks/tile_sweep.py,
-    # 2026-12-04, docs/performance.md): 4 stages 1.04-1.17x over 3 on gpt-oss (128 rows per
-    # group); two programs per SM 1.01-1.16x over one on dsv3 and qwen3-30B (512, 256).
+    # Two H200 sweeps of these tiles' stages and programs per SM disagreed (weights
+    # quantized per call against pre-quantized, docs/performance.md 2026-12-04), and the
+    # train step did not move with them: autotuning picks per problem.
     if mean_rows <= 160:
-        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=4, per_sm=1)
-    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=2)
+        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
 _Config = TypeVar("_Config")
