@@ -221,13 +221,29 @@ def test_gpu_host_split_wgrad_of_few_groups_goes_to_multistream(compiled, groups
         ({"groups": 128, "m": 256, "n": 5760, "k": 2880}, NAME),  # gptoss120b gate-up decode
         ({"groups": 32, "m": 512, "n": 4096, "k": 7168, "op": "dgrad"}, NAME),  # dsv3 gate-up decode
         ({"groups": 128, "m": 512, "n": 1536, "k": 2048}, "torch_grouped_mm"),  # qwen3_30b: small experts
-        ({"groups": 128, "m": 16384, "n": 5760, "k": 2880}, "torch_grouped_mm"),  # training rows
+        ({"groups": 128, "m": 65536, "n": 5760, "k": 2880}, "torch_grouped_mm"),  # training rows
         ({"groups": 128, "m": 256, "n": 5760, "k": 2880, "op": "wgrad"}, "torch_grouped_mm"),
     ],
 )
 def test_gpu_decode_with_large_experts_comes_here(compiled, shape, selected):
     """Measured on the H200: 1.38-1.52x torch._grouped_mm when a few rows per expert stream
     large expert weights; not with small experts, nor for training-sized groups."""
+    assert gg.explain(device="sm_90", device_splits=True, **shape).selected == selected
+
+
+@pytest.mark.parametrize(
+    ("shape", "selected"),
+    [
+        ({"groups": 128, "m": 16384, "n": 5760, "k": 2880}, NAME),  # gptoss120b gate-up: 128 rows per group
+        ({"groups": 32, "m": 2048, "n": 7168, "k": 2048, "op": "dgrad"}, NAME),  # 64 rows per group
+        ({"groups": 32, "m": 2047, "n": 7168, "k": 2048}, "torch_grouped_mm"),  # just under 64
+        ({"groups": 128, "m": 16385, "n": 2048, "k": 768}, "torch_grouped_mm"),  # just over 128
+        ({"groups": 128, "m": 16384, "n": 2880, "k": 2880, "op": "wgrad"}, "torch_grouped_mm"),
+    ],
+)
+def test_gpu_fwd_and_dgrad_of_64_to_128_rows_per_group_come_here(compiled, shape, selected):
+    """Measured on the H200: 1.05-1.51x torch._grouped_mm at 64 and 128 rows per group on
+    three expert shapes, balanced and skewed; not at 256 rows on balanced splits."""
     assert gg.explain(device="sm_90", device_splits=True, **shape).selected == selected
 
 

@@ -10,11 +10,12 @@ other bf16 backends is wgrad with ``accumulate=True`` into an fp32 ``out`` (Mega
 splits on the host, one GEMM per group.
 
 Priority, from the H200 measurement (docs/backends.md): on GPUs below ``torch_grouped_mm``
-(50), which was faster on most bf16 training shapes (this kernel wins there only on
-gptoss120b fwd / dgrad, where autotuning picks it), and above ``multistream`` (20), so
-that fp32 results, fp32 accumulation and fp16 (which ``torch_grouped_mm`` refuses on GPUs)
-come here; above ``torch_grouped_mm`` for fwd / dgrad of decode with large experts, where
-it streams the weights near the memory limit; below ``multistream`` for a host-split wgrad
+(50), which was faster on balanced splits of large groups (this kernel wins on their
+skewed splits, which device splits hide from the host: autotuning picks it there), and
+above ``multistream`` (20), so that fp32 results, fp32 accumulation and fp16 (which
+``torch_grouped_mm`` refuses on GPUs) come here; above ``torch_grouped_mm`` for fwd /
+dgrad of decode with large experts, where it streams the weights near the memory limit,
+and of 64-128 rows per group, where its 128-row tiles waste little; below ``multistream`` for a host-split wgrad
 of few groups, where per-group vendor GEMMs were faster. On a CPU device
 the interpreter is a test vehicle only: it ranks below ``reference``.
 """
@@ -48,6 +49,14 @@ FEW_GROUPS = 64
 DECODE_PRIORITY = 60
 #: Decode: at most this many rows per group on average (M / G, known on the host).
 DECODE_MEAN_ROWS = 16
+#: fwd / dgrad with MID_MEAN_ROWS rows per group on average: above ``torch_grouped_mm``.
+#: On the H200 (2026-12-04, ``grouped-gemm bench --rows-per-group 64,128,256``, device
+#: splits) this kernel was 1.05-1.51x ``torch._grouped_mm`` at 64 and 128 rows on gpt-oss
+#: (N, K = 2880, 2880 and 5760, 2880), qwen3-30B down (2048, 768) and dsv3 down
+#: (7168, 2048), balanced and skewed; at 256 rows only on skewed splits (0.87-0.96x
+#: balanced), which the host cannot see in device splits, so larger groups stay with torch.
+MID_PRIORITY = 55
+MID_MEAN_ROWS = (64, 128)
 #: ... and experts of at least this many weight elements (N * K).
 DECODE_MIN_WEIGHT = 1 << 23
 #: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
@@ -65,7 +74,8 @@ class TritonGroupedBackend(Backend):
         version=__version__,
         description="persistent Triton bf16/fp16 grouped GEMM, fp32 results and fp32 wgrad accumulation; "
         "device splits, capturable. Priority 30: below torch_grouped_mm, above multistream; "
-        "60 for decode with large experts, 15 for a host-split wgrad of few groups (H200 measurements)",
+        "60 for decode with large experts, 55 for 64-128 rows per group, 15 for a host-split wgrad of few groups "
+        "(H200 measurements)",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         # fp32 is not offered: tl.dot on fp32 tiles multiplies in tf32.
         recipes=frozenset({"bf16", "fp16"}),
@@ -99,8 +109,9 @@ class TritonGroupedBackend(Backend):
 
     def priority(self, problem: Problem) -> int:
         """``PRIORITY`` on GPUs; above ``torch_grouped_mm`` for fwd / dgrad of decode with
-        large experts; below ``multistream`` for a host-split wgrad of few groups (where its
-        per-group vendor GEMMs were faster); ``CPU_PRIORITY`` on a CPU device.
+        large experts and of 64-128 rows per group; below ``multistream`` for a host-split
+        wgrad of few groups (where its per-group vendor GEMMs were faster); ``CPU_PRIORITY``
+        on a CPU device.
         With device splits it stays first: ``multistream`` would read them back (a sync)."""
         if problem.device.vendor == "cpu":
             return CPU_PRIORITY
@@ -109,6 +120,8 @@ class TritonGroupedBackend(Backend):
                 return FEW_LARGE_GROUPS_WGRAD_PRIORITY
         elif problem.m <= DECODE_MEAN_ROWS * problem.groups and problem.n * problem.k >= DECODE_MIN_WEIGHT:
             return DECODE_PRIORITY
+        elif MID_MEAN_ROWS[0] * problem.groups <= problem.m <= MID_MEAN_ROWS[1] * problem.groups:
+            return MID_PRIORITY
         return self.spec.priority
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:
