@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidTypeError, SplitsError
+from grouped_gemm.group_ends import copy_and_ends, group_ends
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 
@@ -72,7 +73,8 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     """``m_splits`` (a list/tuple of ints or a 1-D integer tensor) with its int32 ends, on
     ``device`` (default: the tensor's device, or the CPU for a list).
 
-    Device tensors cost two small kernels (a copy and one cumsum) and no host sync; host
+    Device tensors cost one small kernel (the copy and the ends, ``group_ends``) and no
+    host sync; host
     sizes are checked here (non-negative ints) and sent in one copy, from pinned memory on
     a GPU. Call it once per step and pass the result as ``m_splits`` to the step's GEMMs.
     """
@@ -87,8 +89,10 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
         if m_splits.device.type == "meta":
             raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or a GPU), not meta")
         if m_splits.device.type != "cpu":
-            splits = m_splits.to(target or m_splits.device, copy=True)
-            return GroupOffsets(splits, torch.cumsum(splits, 0, dtype=torch.int32), None)
+            if target is None or target == m_splits.device:
+                return GroupOffsets(*copy_and_ends(m_splits), None)
+            splits = m_splits.to(target, copy=True)
+            return GroupOffsets(splits, group_ends(splits), None)
         values = m_splits.tolist()
     elif isinstance(m_splits, (list, tuple)):
         values = host_split_ints(m_splits)

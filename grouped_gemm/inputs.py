@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grouped_gemm.group_ends import group_ends
 from grouped_gemm.group_offsets import host_to_device
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ class GroupedInputs:
     def offsets(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Cumulative group ends ``[m0, m0+m1, ..., M]`` (length G) on ``device``.
 
-        From device splits this is one ``cumsum`` straight into ``dtype`` (no host sync, no
-        separate conversion kernel: a plain integer cumsum would widen to int64). From host
+        From device splits this is one small scan kernel straight into ``dtype``
+        (``group_ends``: no host sync, no separate conversion kernel). From host
         splits the ends are summed in Python and sent in one copy, non-blocking from pinned
         memory when ``device`` is a GPU (torch's caching host allocator keeps the pinned
         buffer alive until the copy has run). Cached per (device, dtype) for the call.
@@ -69,7 +70,7 @@ class GroupedInputs:
         if isinstance(splits, torch.Tensor):
             if splits.device != device:
                 splits = splits.to(device)
-            ends = torch.cumsum(splits, 0, dtype=dtype)
+            ends = group_ends(splits, dtype)
         else:
             ends = host_ends(splits, device, dtype)
         self._offsets[key] = ends

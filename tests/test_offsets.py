@@ -7,8 +7,10 @@ import itertools
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.interpreter import InterpretedFunction
 
 import grouped_gemm as gg
+from grouped_gemm import group_ends as group_ends_module
 from grouped_gemm import inputs as inputs_module
 from grouped_gemm import validation
 from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error
@@ -28,6 +30,9 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+real_launch = group_ends_module._launch
+
+
 def _reference(splits: list[int]) -> list[int]:
     return list(itertools.accumulate(splits))
 
@@ -43,14 +48,59 @@ def test_offsets_equal_reference(splits, form, dtype):
 
 
 @pytest.mark.parametrize("split_dtype", [torch.int32, torch.int64])
-def test_device_splits_cost_one_op_and_are_cached(split_dtype):
-    """One cumsum straight into int32 (no widening, no separate conversion), once per call."""
+def test_device_splits_cost_one_launch_and_are_cached(split_dtype, monkeypatch):
+    """One scan kernel straight into int32 (no widening, no separate conversion), once per
+    call; CPU tensors run it in Triton's interpreter, else they take one cumsum."""
+    launches = []
+    monkeypatch.setattr(group_ends_module, "_launch", lambda *a: launches.append(a) or real_launch(*a))
     inputs = gg.GroupedInputs(None, None, torch.tensor([4, 0, 2**20], dtype=split_dtype))
     with _OpLog() as log:
         first = inputs.offsets(torch.device("cpu"))
         again = inputs.offsets(torch.device("cpu"))
-    assert log.ops == ["cumsum"]
-    assert again is first and first.tolist() == [4, 4, 4 + 2**20]
+    if isinstance(group_ends_module.group_ends_kernel, InterpretedFunction):
+        assert len(launches) == 1 and "cumsum" not in log.ops
+    else:
+        assert not launches and log.ops == ["cumsum"]
+    assert again is first and first.tolist() == [4, 4, 4 + 2**20] and first.dtype == torch.int32
+
+
+needs_interpreter = pytest.mark.skipif(
+    not isinstance(group_ends_module.group_ends_kernel, InterpretedFunction),
+    reason="CPU tensors run the scan kernel only in Triton's interpreter",
+)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("groups", [1, 3, 16, 17, 257])
+@pytest.mark.parametrize("split_dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_group_ends_kernel_equals_cumsum(groups, split_dtype, dtype):
+    high = 100 if split_dtype in (torch.uint8, torch.int8) else 5000
+    sizes = torch.randint(0, high, (groups,), dtype=split_dtype)
+    sizes[torch.randint(0, groups, (groups // 3,))] = 0  # empty groups
+    ends = group_ends_module.group_ends(sizes, dtype)
+    assert ends.dtype == dtype and torch.equal(ends, torch.cumsum(sizes, 0, dtype=dtype))
+    copy, ends32 = group_ends_module.copy_and_ends(sizes)
+    assert torch.equal(copy, sizes) and copy.data_ptr() != sizes.data_ptr() and copy.dtype == split_dtype
+    assert torch.equal(ends32, torch.cumsum(sizes, 0, dtype=torch.int32))
+
+
+@needs_interpreter
+def test_group_ends_kernel_wraps_like_cumsum():
+    """Totals past int32 wrap exactly as ``torch.cumsum(..., dtype=torch.int32)`` does (the
+    call's checks refuse such splits before any kernel reads them)."""
+    sizes = torch.tensor([2**31 - 5, 7, 2**40, 3], dtype=torch.int64)
+    assert torch.equal(group_ends_module.group_ends(sizes), torch.cumsum(sizes, 0, dtype=torch.int32))
+
+
+def test_group_ends_falls_back_to_cumsum(monkeypatch):
+    """Past MAX_GROUPS, with no groups, or strided sizes: torch.cumsum, no launch."""
+    monkeypatch.setattr(group_ends_module, "_launch", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(group_ends_module, "MAX_GROUPS", 8)
+    for sizes in (torch.arange(9), torch.zeros(0, dtype=torch.int64), torch.arange(12)[::2]):
+        assert torch.equal(group_ends_module.group_ends(sizes), torch.cumsum(sizes, 0, dtype=torch.int32))
+        copy, ends = group_ends_module.copy_and_ends(sizes)
+        assert torch.equal(copy, sizes) and torch.equal(ends, torch.cumsum(sizes, 0, dtype=torch.int32))
 
 
 def test_host_splits_build_ends_in_python():
