@@ -40,13 +40,12 @@ _GROUP_ENDS = CachedLauncher(group_ends_kernel)
 
 
 def _kernel_runs(t: torch.Tensor) -> bool:
-    """GPU tensors on the current device run the compiled kernel (Triton launches there);
-    CPU tensors only in Triton's interpreter."""
+    """GPU tensors run the compiled kernel; CPU tensors only in Triton's interpreter."""
     if not 0 < t.shape[0] <= MAX_GROUPS or not t.is_contiguous():
         return False
     if t.device.type == "cpu":
         return isinstance(group_ends_kernel, InterpretedFunction)
-    return t.device.type == "cuda" and t.device.index == torch._C._cuda_getDevice()
+    return t.device.type == "cuda"
 
 
 def group_ends(sizes: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -10,7 +10,8 @@ The key refines Triton's own specialization (``native_specialize_impl``), so a c
 is reused only where Triton would pick the same one: per tensor its dtype and whether
 ``data_ptr() % 16 == 0``; per int whether it is 1, whether ``% 16 == 0``, and its width
 (i32 / i64 / u64); bools, floats and None by type; keyword constexprs and options by value;
-the current device and Triton's debug / instrumentation knobs. Anything else (interpreter,
+the current device and Triton's debug / instrumentation knobs. A launch whose tensors live on
+another GPU than the current one switches to theirs first, as torch's own ops do. Anything else (interpreter,
 launch hooks, pre-run hooks, unknown argument types, missing internals) takes the normal
 path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal path (to measure both).
 
@@ -129,6 +130,22 @@ def _hooks_set() -> bool:
     )
 
 
+def _gpu_index(args: tuple) -> int:
+    """The GPU index of the launch's first tensor argument; -1 for a CPU tensor or none."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.get_device()
+    return -1
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _on_device(index: int) -> Any:
+    return torch.cuda.device(index)
+
+
 class CachedLauncher:
     """``launcher(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``.
 
@@ -150,6 +167,13 @@ class CachedLauncher:
         self.hits = self.misses = self.fallbacks = 0
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        index = _gpu_index(args)
+        if index >= 0 and index != _current_device():
+            # Triton launches on the current device: tensors on another GPU of the process
+            # (layers spread over GPUs, as with a device map) launch from their own.
+            with _on_device(index):
+                self(grid, *args, **kwargs)
+            return
         if not _ENABLED or self._params is None or _hooks_set():
             self.fallbacks += 1
             self.kernel[grid](*args, **kwargs)

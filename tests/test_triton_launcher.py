@@ -173,6 +173,53 @@ def test_any_specialization_change_misses(args, kwargs):
     assert [c[0] for c in kernel.calls] == ["triton", "triton"]
 
 
+class _OnSecondGpu(torch.Tensor):
+    """A CPU tensor that reports GPU 1 as its device, for the device guard."""
+
+    def get_device(self) -> int:
+        return 1
+
+
+class _DeviceRecordingKernel(_Kernel):
+    """``_Kernel`` that also records the current device of each normal launch."""
+
+    def __init__(self, current: list[int]) -> None:
+        super().__init__()
+        self.current, self.launched_on = current, []
+
+    def __getitem__(self, grid):
+        self.launched_on.append(self.current[0])
+        return super().__getitem__(grid)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_launch_moves_to_the_tensors_gpu(enabled, monkeypatch):
+    """Triton launches on the current device; a tensor on another GPU launches from its own
+    (both paths), and the current device is restored after."""
+    current, entered = [0], []
+
+    @contextlib.contextmanager
+    def on_device(index):
+        entered.append(index)
+        current[0], before = index, current[0]
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(launcher, "_current_device", lambda: current[0])
+    monkeypatch.setattr(launcher, "_on_device", on_device)
+    monkeypatch.setattr(launcher, "_ENABLED", enabled)
+    kernel = _DeviceRecordingKernel(current)
+    cached = _launcher(kernel)
+    cached._device = lambda: current[0]
+    x = torch.zeros(32).as_subclass(_OnSecondGpu)
+    cached((1,), x, 32, BLOCK=64)
+    cached((1,), torch.zeros(32), 32, BLOCK=64)  # a CPU tensor: no guard
+    assert entered == [1] and current == [0]
+    assert kernel.launched_on == [1, 0] and kernel.calls[0][2][0] is x
+
+
 def test_missing_internals_fall_back_every_call():
     kernel = _Kernel(compiled_cls=lambda calls: object())  # no run / function / packed_metadata
     cached = _launcher(kernel)
