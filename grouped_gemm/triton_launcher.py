@@ -10,10 +10,11 @@ The key refines Triton's own specialization (``native_specialize_impl``), so a c
 is reused only where Triton would pick the same one: per tensor its dtype and whether
 ``data_ptr() % 16 == 0``; per int whether it is 1, whether ``% 16 == 0``, and its width
 (i32 / i64 / u64); bools, floats and None by type; keyword constexprs and options by value;
-the current device and Triton's debug / instrumentation knobs. A launch whose tensors live on
-another GPU than the current one switches to theirs first, as torch's own ops do. Anything else (interpreter,
+the current device and Triton's debug / instrumentation knobs. Anything else (interpreter,
 launch hooks, pre-run hooks, unknown argument types, missing internals) takes the normal
 path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal path (to measure both).
+Either way, a launch whose tensors live on another GPU than the current one switches to
+theirs first, as torch's own ops do (Triton launches on the current device).
 
 The key is built per call, so it is kept cheap (``CachedLauncher.key``). Dev CPU numbers
 (2-core AMD EPYC VM, Python 3.11, no GPU; a stand-in kernel shaped like the upcast launch:
