@@ -74,9 +74,9 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     ``device`` (default: the tensor's device, or the CPU for a list).
 
     Device tensors cost one small kernel (the copy and the ends, ``group_ends``) and no
-    host sync; host
-    sizes are checked here (non-negative ints) and sent in one copy, from pinned memory on
-    a GPU. Call it once per step and pass the result as ``m_splits`` to the step's GEMMs.
+    host sync; host sizes are checked here (non-negative ints) and sent in one copy, from
+    pinned memory on a GPU. Call it once per step and pass the result as ``m_splits`` to
+    the step's GEMMs.
     """
     if isinstance(m_splits, GroupOffsets):
         if device is None or torch.device(device) == m_splits.device:

@@ -15,9 +15,10 @@ skewed splits, which device splits hide from the host: autotuning picks it there
 above ``multistream`` (20), so that fp32 results, fp32 accumulation and fp16 (which
 ``torch_grouped_mm`` refuses on GPUs) come here; above ``torch_grouped_mm`` for fwd /
 dgrad of decode with large experts, where it streams the weights near the memory limit,
-and of 64-128 rows per group, where its 128-row tiles waste little; below ``multistream`` for a host-split wgrad
-of few groups, where per-group vendor GEMMs were faster. On a CPU device
-the interpreter is a test vehicle only: it ranks below ``reference``.
+and of 64-128 rows per group, where it measured faster on every shape tried; below
+``multistream`` for a host-split wgrad of few groups, where per-group vendor GEMMs were
+faster. On a CPU device the interpreter is a test vehicle only: it ranks below
+``reference``.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ FEW_GROUPS = 64
 DECODE_PRIORITY = 60
 #: Decode: at most this many rows per group on average (M / G, known on the host).
 DECODE_MEAN_ROWS = 16
-#: fwd / dgrad with MID_MEAN_ROWS rows per group on average: above ``torch_grouped_mm``.
-#: On the H200 (2026-12-04, ``grouped-gemm bench --rows-per-group 64,128,256``, device
-#: splits) this kernel was 1.05-1.51x ``torch._grouped_mm`` at 64 and 128 rows on gpt-oss
-#: (N, K = 2880, 2880 and 5760, 2880), qwen3-30B down (2048, 768) and dsv3 down
-#: (7168, 2048), balanced and skewed; at 256 rows only on skewed splits (0.87-0.96x
-#: balanced), which the host cannot see in device splits, so larger groups stay with torch.
-MID_PRIORITY = 55
-MID_MEAN_ROWS = (64, 128)
 #: ... and experts of at least this many weight elements (N * K).
 DECODE_MIN_WEIGHT = 1 << 23
+#: fwd / dgrad with MID_MEAN_ROWS rows per group on average: above ``torch_grouped_mm``.
+#: On the H200 (2026-12-04, ``grouped-gemm bench --rows-per-group``, device splits) this
+#: kernel was 1.01-1.63x ``torch._grouped_mm`` at 64 and 128 rows on six expert shapes
+#: (gpt-oss down, qwen3-30B down and gate-up, dsv3 down, mixtral down, qwen3-235B
+#: gate-up), balanced and skewed; at 256 rows only on skewed splits (0.87-0.96x balanced),
+#: which the host cannot see in device splits, so larger groups stay with torch.
+MID_PRIORITY = 55
+MID_MEAN_ROWS = (64, 128)
 #: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
 #: kernels are correct for any N and K; unaligned rows are left to the other backends.
 ALIGNMENT = 8
