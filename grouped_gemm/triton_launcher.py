@@ -183,7 +183,8 @@ class CachedLauncher:
             from triton.runtime.driver import driver
 
             self._device, self._stream = driver.active.get_current_device, driver.active.get_current_stream
-        device = self._device()
+        # A GPU tensor's index is the current device by now (the switch above): no second query.
+        device = index if index >= 0 else self._device()
         try:
             key = self.key(device, args, kwargs)
             entry = self._entries.get(key)
