@@ -23,9 +23,9 @@ must measure nothing (``tuned 0, loaded 1``). The run points ``GROUPED_GEMM_CACH
 at a new temporary directory, so any compiled-kernel cache under that variable starts
 cold too and first-call compilation shows in the tuning cost. Separate timings run each
 backend's default ``run`` (the Triton backends' tile configs are timed by
-``tile_sweep.py``). ``--quick``
-(the H200 run, under 5 minutes) lightens the separate timing, limits the MX recipes to
-``mxfp4`` on four cases and stops starting problems after ``--budget-s``. On the H200 on
+``tile_sweep.py``). ``--quick`` (the H200 run, under 5 minutes) lightens the separate
+timing, limits the MX recipes to ``mxfp4`` on four cases and stops starting problems
+after ``--budget-s``. On the H200 on
 2026-12-03 it took 78 s for 96 problems; by that run's times, the close calls add about
 1.5 s of tuning (9 signatures) and 8 s of separate interleaved timing (17 problems).
 Writes ``<out>/autotune.json`` (``--out``, else ``$OUT``, else ``bench-results/``) and
