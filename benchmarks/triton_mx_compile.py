@@ -4,7 +4,8 @@ Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the A
 For each kernel configuration this script reports what the compiled code must show:
 
 - sm_90 upcast kernel (E2M1 and E4M3 weights): wgmma (``HGMMA`` in the SASS; the weight as
-  the register operand, so no ``STS`` in the loop), registers and spills from ptxas;
+  the register operand, so no ``STS`` / ``STSM`` in the loop: decoded values never pass
+  through shared memory), registers and spills from ptxas;
 - sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
   contraction loop, from the TTGIR: loads issued as ``cp.async`` copies before the loop
   (the prologue) and inside it, into shared-memory rings at least two deep, and the wgmma
@@ -144,16 +145,16 @@ def _sm90_row(c, name: str) -> dict:
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
     body = _inner_loop(sass)
-    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "HMUL2")}
+    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
     pipe = _pipeline(c)
     found = (
         f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
-        f"PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
+        f"STSM {count['STSM']}, PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
     )
     return {
         "kernel": name,
         "target": "sm_90",
-        "ok": count["HGMMA"] > 0 and count["STS"] == 0 and pipe["ok"],
+        "ok": count["HGMMA"] > 0 and count["STS"] + count["STSM"] == 0 and pipe["ok"],
         "found": found,
         "pipeline": pipe,
         "regs": int(usage[1]),
@@ -242,9 +243,11 @@ def main() -> None:
     rows = [
         _upcast("e4m3", True, 256, 2),
         _upcast("e4m3", False, 256, 2),
-        _upcast("e4m3", True, 16, 4),
+        _upcast("e4m3", True, 16, 2),
+        _upcast("e4m3", True, 128, 2),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
+        _upcast("e2m1", True, 128, 4),
         _wgrad("sm_90", "bf16", "bf16"),
     ]
     for arch in ("sm_100", "gfx950"):

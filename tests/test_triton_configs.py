@@ -248,8 +248,21 @@ def _default(name, op, arch, m, groups):
     if name == "triton_grouped":
         return launch.grouped_config(m, groups)
     if arch == "sm_90":
-        return launch.upcast_config(m, groups)
+        return launch.upcast_config(m, groups, "e4m3" if name == "triton_mxfp8" else "e2m1")
     return launch.scaled_config(m, groups)
+
+
+@pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])
+def test_e4m3_weights_decode_at_most_two_blocks_a_step_on_sm90(mean_rows, monkeypatch):
+    """Four E4M3 blocks a step send the decoded weight through shared memory (Triton 3.6,
+    ``launch.E4M3_MAX_BLOCKS``): neither the default nor a tuning candidate has them, while
+    E2M1 keeps its four-block tiles."""
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    m, groups = mean_rows * 32, 32
+    e4m3 = BACKENDS["triton_mxfp8"]().configs(_described("triton_mxfp8", "fwd", "sm_90", m=m, groups=groups))
+    assert {c["blocks"] for c in e4m3} == {launch.E4M3_MAX_BLOCKS} == {2}
+    e2m1 = launch.upcast_config(m, groups, "e2m1")
+    assert launch.upcast_config(m, groups, "e4m3") == dataclasses.replace(e2m1, blocks=min(e2m1.blocks, 2))
 
 
 @pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])

@@ -11,6 +11,7 @@ import torch
 
 from grouped_gemm import GroupedInputs, Problem
 from grouped_gemm.backends.triton_mx import launch, operands
+from grouped_gemm.recipes import get_recipe
 
 #: What the shared kernels can run, whichever backend registers them: the paths (sm_90
 #: upcast, dot_scaled on sm_100 / sm_103 / gfx950, Triton's interpreter on the CPU), MX
@@ -41,8 +42,10 @@ def configs(problem: Problem) -> list[dict[str, int]]:
     if problem.op == "wgrad":
         vendor = not scaled and launch.vendor_wgrad_runs(problem)
         return [] if vendor else launch.offered(problem, launch.wgrad_configs())
-    space = launch.scaled_configs if scaled else launch.upcast_configs
-    return launch.offered(problem, space(problem.m, problem.groups))
+    if scaled:
+        return launch.offered(problem, launch.scaled_configs(problem.m, problem.groups))
+    w_fmt = get_recipe(problem.recipe).weight_format
+    return launch.offered(problem, launch.upcast_configs(problem.m, problem.groups, w_fmt))
 
 
 def run(problem: Problem, inputs: GroupedInputs, config: Mapping[str, Any] | None = None) -> torch.Tensor:

@@ -121,14 +121,30 @@ class UpcastConfig:
         return (self.bm * self.bn + self.bn * 16 * self.blocks) // (32 * self.warps)
 
 
-def upcast_config(m: int, groups: int) -> UpcastConfig:
-    """The default upcast configuration for a problem (see the module docstring)."""
+def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
+    """The default upcast configuration for a problem (see the module docstring) and its
+    weight format."""
     if interpreted():
         return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
-    return _upcast_default(m, groups)
+    return _upcast_default(m, groups, w_fmt)
 
 
-def _upcast_default(m: int, groups: int) -> UpcastConfig:
+#: Most 32-blocks one contraction step of E4M3 weights may decode. With four, Triton 3.6
+#: leaves the decoded bf16 in the int64 words' load layout and moves it into wgmma's
+#: operand layout through shared memory (16 ``STSM`` + 16 ``LDSM`` and ~30 barriers per
+#: step in the sm_90 SASS; E2M1 words, and E4M3 at two blocks, have none:
+#: benchmarks/triton_mx_compile.py checks).
+E4M3_MAX_BLOCKS = 2
+
+
+def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
+    config = _upcast_e2m1_default(m, groups)
+    if w_fmt == "e4m3" and config.blocks > E4M3_MAX_BLOCKS:
+        return dataclasses.replace(config, blocks=E4M3_MAX_BLOCKS)
+    return config
+
+
+def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     mean_rows = m / max(groups, 1)
     if mean_rows <= 8:
         return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
@@ -169,7 +185,7 @@ def launch_upcast(
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
     m = a.shape[0]
-    cfg = config or _upcast_config(m, groups)
+    cfg = config or _upcast_config(m, groups, w.fmt)
     programs = _persistent_programs(m, groups, cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
     _UPCAST(
         (programs,),
@@ -626,10 +642,12 @@ def grouped_configs(m: int, groups: int) -> list[GroupedConfig]:
     return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
 
 
-def upcast_configs(m: int, groups: int) -> list[UpcastConfig]:
-    """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default."""
-    d = _upcast_default(m, groups)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4)}
+def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfig]:
+    """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
+    weight format (E4M3: at most ``E4M3_MAX_BLOCKS`` a step)."""
+    d = _upcast_default(m, groups, w_fmt)
+    blocks = (2,) if w_fmt == "e4m3" else (2, 4)
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": blocks}
     return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
 
 
