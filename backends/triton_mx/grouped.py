@@ -45,13 +45,16 @@ FEW_GROUPS = 64
 #: expert the call streams the weights; on the H200 (2026-12-04, benchmarks/autotune.py,
 #: public API) this kernel read them at 4.4 TB/s where ``torch._grouped_mm`` reached
 #: 3.0 TB/s: 1.38-1.52x on dsv3_gateup_decode (G=32, 16 rows per group, N*K 29 M) and
-#: gptoss120b_gateup_decode (G=128, 2 rows, N*K 16.6 M). On qwen3_30b_gateup_decode's
-#: smaller experts (N*K 3.1 M) it ranged 0.68-1.23x, so they stay with torch.
+#: gptoss120b_gateup_decode (G=128, 2 rows, N*K 16.6 M). qwen3_30b_gateup_decode's
+#: smaller experts (4 rows, N*K 3.1 M) ranged 0.68-1.23x with the earlier 128 x 128
+#: tiles, then 1.41-1.49x and 1.41-1.53x in two runs of the 128 x 256 tiles (2026-12-04,
+#: ``grouped-gemm bench --device-splits``, balanced and skewed, fwd and dgrad).
 DECODE_PRIORITY = 60
 #: Decode: at most this many rows per group on average (M / G, known on the host).
 DECODE_MEAN_ROWS = 16
-#: ... and experts of at least this many weight elements (N * K).
-DECODE_MIN_WEIGHT = 1 << 23
+#: ... and experts of at least this many weight elements (N * K): the smallest measured
+#: expert (qwen3-30B, 3.1 M) rounded down to a power of two; smaller ones are unmeasured.
+DECODE_MIN_WEIGHT = 1 << 21
 #: fwd / dgrad with MID_MEAN_ROWS rows per group on average: above ``torch_grouped_mm``.
 #: On the H200 (2026-12-04, ``grouped-gemm bench --rows-per-group``, device splits) this
 #: kernel was 1.01-1.63x ``torch._grouped_mm`` at 64 and 128 rows on six expert shapes
