@@ -1,20 +1,21 @@
 """What limits the upcast kernel on decode-like calls: H200 experiments.
 
-On ``gptoss120b_gateup_decode`` (balanced), with E2M1 (default) or E4M3 weights:
+On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), balanced
+splits, with E2M1 (default) or E4M3 weights:
 
 - default: times the upcast kernel (default tiles) with its sm_90 PTX decode, with the PTX
   decode without the folded scale (one more bf16x2 multiply per element pair) and with the
   portable decode (more integer instructions per element), all reading the same bytes. If
   the time follows the decode's instruction count, the SMs' instruction issue is the
   limit; if not, the weight stream is.
-- ``--sweep``: times the 16-row tile with more pipeline stages and programs per SM than
-  the defaults, interleaved with ``torch._grouped_mm`` on the same problem. If the time
-  falls as more weight bytes are in flight, memory latency is the limit.
+- ``--sweep``: times the default tile with 2-block steps (fewer registers), more pipeline
+  stages and more programs per SM, interleaved with ``torch._grouped_mm`` on the same
+  problem. If the time falls as more warps share an SM, waiting is the limit.
 - ``--ncu``: launches the default kernel once, for ``ncu`` to profile.
 
 Run from the repository root::
 
-    python benchmarks/decode_probe.py [--fmt e4m3] [--sweep | --ncu]
+    python benchmarks/decode_probe.py [--case NAME] [--fmt e4m3] [--sweep | --ncu]
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import torch
 from triton.testing import do_bench
 
 from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
+from grouped_gemm.bench.shapes import select_cases
 from grouped_gemm.mx import quantize_mx_weight
-
-G, M, N, K = 128, 256, 5760, 2880
 
 
 def _layouts(fmt: str, g: int, n: int, k: int) -> tuple[layouts.UpcastWeight, layouts.UpcastWeight]:
@@ -42,12 +42,13 @@ def _layouts(fmt: str, g: int, n: int, k: int) -> tuple[layouts.UpcastWeight, la
 
 
 def _variants(x, lay, unfolded, splits, out, weight_bytes) -> dict:
+    g = splits.numel()
     results = {}
     ptx_decode = launch.ptx_decode
     variants = (("ptx decode", True, lay), ("ptx, scale not folded", True, unfolded), ("portable decode", False, lay))
     for name, ptx, weight in variants:
         launch.ptx_decode = lambda device, ptx=ptx: ptx
-        ms = do_bench(lambda weight=weight: launch.launch_upcast(x, weight, splits, out, G), warmup=25, rep=200)
+        ms = do_bench(lambda weight=weight: launch.launch_upcast(x, weight, splits, out, g), warmup=25, rep=200)
         results[name] = {"us": ms * 1e3, "weight_tb_s": weight_bytes / ms / 1e9}
         print(f"{name:22s} {ms * 1e3:8.1f} us  weight stream {weight_bytes / ms / 1e9:.2f} TB/s", flush=True)
     launch.ptx_decode = ptx_decode
@@ -55,23 +56,26 @@ def _variants(x, lay, unfolded, splits, out, weight_bytes) -> dict:
 
 
 def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
-    """Stages x programs per SM of the default 16-row tile, those whose shared memory fits
-    the SM (``SMEM_BYTES`` for all its programs together), interleaved with the peer."""
-    default = launch.upcast_config(M, G, lay.fmt)
-    configs = [
-        dataclasses.replace(default, stages=s, per_sm=p)
-        for s in (4, 6, 8)
+    """Blocks a step x stages x programs per SM around the default tile, those whose shared
+    memory fits the SM (``SMEM_BYTES`` for all its programs together), interleaved with
+    the peer."""
+    g, (m, k), n = splits.numel(), x.shape, out.shape[1]
+    default = launch.upcast_config(m, g, lay.fmt)
+    grid = [
+        dataclasses.replace(default, blocks=b, stages=s, per_sm=p)
+        for b in dict.fromkeys((default.blocks, 2))
+        for s in (4, 6)
         for p in (2, 3, 4)
-        if p * dataclasses.replace(default, stages=s).smem_bytes() <= launch.SMEM_BYTES
     ]
-    w_bf16 = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    configs = list(dict.fromkeys(c for c in [default, *grid] if c.per_sm * c.smem_bytes() <= launch.SMEM_BYTES))
+    w_bf16 = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         ms = do_bench(lambda: torch._grouped_mm(x, w_bf16.transpose(1, 2), offs=offs), warmup=10, rep=50)
         times.setdefault("torch._grouped_mm", []).append(ms)
         for c in configs:
-            ms = do_bench(lambda c=c: launch.launch_upcast(x, lay, splits, out, G, c), warmup=10, rep=50)
+            ms = do_bench(lambda c=c: launch.launch_upcast(x, lay, splits, out, g, c), warmup=10, rep=50)
             times.setdefault(str(c), []).append(ms)
     peer = min(times["torch._grouped_mm"])
     results = {}
@@ -84,6 +88,7 @@ def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="gptoss120b_gateup_decode", help="a case of moe_shapes.json")
     parser.add_argument("--fmt", choices=("e2m1", "e4m3"), default="e2m1", help="weight format")
     parser.add_argument("--sweep", action="store_true", help="stages x programs per SM, against the peer")
     parser.add_argument("--ncu", action="store_true", help="launch once (for ncu) instead of timing")
@@ -91,20 +96,21 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
         return 2
-    splits = torch.full((G,), M // G, device="cuda", dtype=torch.int32)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    lay, unfolded = _layouts(args.fmt, G, N, K)
-    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    (case,) = select_cases(args.case)
+    splits = torch.tensor(case.splits("balanced"), device="cuda", dtype=torch.int32)
+    x = torch.randn(case.m, case.k, device="cuda", dtype=torch.bfloat16)
+    lay, unfolded = _layouts(args.fmt, case.groups, case.n, case.k)
+    out = torch.empty(case.m, case.n, device="cuda", dtype=torch.bfloat16)
     weight_bytes = lay.data.numel() * lay.data.element_size() + lay.scales.numel() * 4
     if args.ncu:
-        launch.launch_upcast(x, lay, splits, out, G)
+        launch.launch_upcast(x, lay, splits, out, case.groups)
         torch.cuda.synchronize()
         return 0
     if args.sweep:
         results = _sweep(x, lay, splits, out, weight_bytes)
     else:
         results = _variants(x, lay, unfolded, splits, out, weight_bytes)
-    print(json.dumps({"fmt": args.fmt, "results": results}))
+    print(json.dumps({"case": case.name, "fmt": args.fmt, "results": results}))
     return 0
 
 
