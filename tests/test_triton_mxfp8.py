@@ -235,9 +235,12 @@ def test_upcast_layout_round_trip(op, gen):
     w = quantize_mx_weight(torch.randn(2, 64, 160, generator=gen), "e4m3", op=op)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     runs = lay.k_padded // 128
-    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (q, b), byte (j, h)
-    codes = data.reshape(2, lay.rows, runs, 4, 4, 4, 2)  # g, row, run, q, b, j, h
-    codes = codes.permute(0, 1, 2, 4, 5, 3, 6).reshape(2, lay.rows, -1)[..., : lay.k_red]
+    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (b // 2, q, b % 2), byte (j, h)
+    codes = data.reshape(2, lay.rows, runs, 2, 4, 2, 4, 2)  # g, row, run, b // 2, q, b % 2, j, h
+    codes = codes.permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(2, lay.rows, -1)[..., : lay.k_red]
+    assert [layouts_e4m3.word_index(q, b) for b in range(4) for q in range(4)] == [
+        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15
+    ]  # fmt: skip
     words = lay.scales.transpose(1, 2)
     blocks = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(2, lay.rows, -1)
     as_mx = MXTensor(
@@ -257,7 +260,7 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr, FOLD:
     rn = tl.arange(0, BN)
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
-        words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 4 + b)
+        words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 2 + 8 * (b // 2) + b % 2)
         values = _block(words, run_scales, b, PTX, FOLD, "e4m3")
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 

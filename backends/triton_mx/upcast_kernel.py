@@ -86,8 +86,22 @@ def _step(
     BK: tl.constexpr = 32 * BLOCKS
     first = (k % 128) // 32
     rows: tl.constexpr = w_rows.shape[0]
-    cols = (k // 128) * stride_wr + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
-    words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
+    run = (k // 128) * stride_wr
+    if W_FMT == "e2m1":  # word 4q + b (layouts)
+        cols = run + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
+        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
+    elif BLOCKS == 2:
+        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): this step's eight words start at
+        # 4 * first, written (k % 128) // 8 so Triton 3.6 cannot prove 16-byte alignment
+        # and keeps one word per load: with pairs (a vectorized load) its layout pass
+        # converted the decoded tile through shared memory on 8-warp tiles.
+        first4 = (k % 128) // 8
+        cols = run + first4 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
+    else:  # the same order, four blocks from first = 0 (the interpreter's tiles)
+        b = tl.arange(0, 4)[None, None, :]
+        cols = run + 8 * (b // 2) + 2 * tl.arange(0, 4)[None, :, None] + b % 2
+        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)

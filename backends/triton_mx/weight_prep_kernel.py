@@ -18,7 +18,8 @@ A program handles ``ROWS`` layout rows of one 128-element contraction run of one
 Strides say where a row and a contraction element live in the input, so the same kernels
 serve fwd (rows = N, contraction = K: contiguous along the contraction) and dgrad (rows =
 K, contraction = N: contiguous along the rows). The word arrangement (element
-``32b + 8j + 2q + h`` of a run -> word ``4q + b``, nibble ``j + 4h``) is in layouts.py.
+``32b + 8j + 2q + h`` of a run -> word ``4q + b``, nibble ``j + 4h``) is in layouts.py;
+E4M3 words sit at ``layouts_e4m3.word_index`` instead.
 """
 
 from __future__ import annotations
@@ -79,6 +80,15 @@ def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.cons
     else:
         shifted = code << (4 * j + 16 * h)
     return tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS)
+
+
+@triton.jit
+def _word(q, b, NBITS: tl.constexpr):
+    """The word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py) or
+    ``8 * (b // 2) + 2q + b % 2`` (E4M3, ``layouts_e4m3.word_index``)."""
+    if NBITS == 8:
+        return 8 * (b // 2) + 2 * q + b % 2
+    return 4 * q + b
 
 
 @triton.jit
@@ -152,7 +162,7 @@ def quantize_upcast_kernel(
         code = tl.where(nonfinite[None, None, :, None, :], 0, code)
         words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
         row3 = row0 + tl.arange(0, ROWS)[None, None, :]
-        offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 4)[:, None, None]
+        offsets = row3 * sd_row + _word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
     else:
         j = tl.arange(0, 4)[:, None, None, None]
         b = tl.arange(0, 4)[None, :, None, None]
@@ -168,7 +178,7 @@ def quantize_upcast_kernel(
         hh = tl.arange(0, 2)[None, None, None, None, :]
         words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
         row3 = row0 + tl.arange(0, ROWS)[None, :, None]
-        offsets = row3 * sd_row + 4 * tl.arange(0, 4)[None, None, :] + tl.arange(0, 4)[:, None, None]
+        offsets = row3 * sd_row + _word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
     tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
