@@ -135,21 +135,13 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
 #: step in the sm_90 SASS; E2M1 words, and E4M3 at two blocks, have none:
 #: benchmarks/triton_mx_compile.py checks).
 E4M3_MAX_BLOCKS = 2
-#: Programs per SM of the E4M3 16-row (decode) tile. On the H200 (2026-12-04,
-#: ``benchmarks/decode_probe.py --fmt e4m3 --sweep``, gptoss120b_gateup_decode) 2 / 3 / 4
-#: programs ran 1418 / 1286 / 1251 us (4 stages; 6 and 8 stages were slower): the
-#: decode was not issue-bound (ncu: IPC 0.93, issue slots 22 % busy, L1/TEX 79 %), so
-#: more warps hide more of the wait. 126 registers and 43 KB of shared memory a program
-#: let four share an SM.
-E4M3_DECODE_PER_SM = 4
 
 
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
-    if w_fmt != "e4m3":
-        return config
-    config = dataclasses.replace(config, blocks=min(config.blocks, E4M3_MAX_BLOCKS))
-    return dataclasses.replace(config, per_sm=E4M3_DECODE_PER_SM) if config.bm == 16 else config
+    if w_fmt == "e4m3" and config.blocks > E4M3_MAX_BLOCKS:
+        return dataclasses.replace(config, blocks=E4M3_MAX_BLOCKS)
+    return config
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -654,9 +646,9 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
     weight format (E4M3: at most ``E4M3_MAX_BLOCKS`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
-    blocks, per_sm = ((2,), (1, 2, 4)) if w_fmt == "e4m3" else ((2, 4), (1, 2))
+    blocks = (2,) if w_fmt == "e4m3" else (2, 4)
     moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": blocks}
-    return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": per_sm})
+    return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
 
 
 def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:
