@@ -213,7 +213,6 @@ def launch_upcast(
         PTX=ptx_decode(a.device),
         FOLD=w.small_scales,
         W_FMT=w.fmt,
-        PAIRED=w.fmt == "e4m3" and cfg.blocks == 2 and cfg.warps == 4,
         INTERP=interpreted(),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
