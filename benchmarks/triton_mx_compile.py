@@ -155,6 +155,8 @@ def _sm90_row(c, name: str) -> dict:
         "kernel": name,
         "target": "sm_90",
         "ok": count["HGMMA"] > 0 and count["STS"] + count["STSM"] == 0 and pipe["ok"],
+        "counts": count,
+        "warps": c.metadata.num_warps,
         "found": found,
         "pipeline": pipe,
         "regs": int(usage[1]),

@@ -1,0 +1,79 @@
+"""The sm_90 / sm_100 / gfx950 compile checks of the Triton MX kernels, on every Triton CI runs.
+
+``benchmarks/triton_mx_compile.py`` compiles the kernels for each target on the CPU (Triton
+ships ptxas and the AMD linker) and checks the code: wgmma with the upcast weight in
+registers and nothing of it through shared memory, a pipelined contraction loop, the MX
+block-scaled MMA instructions on sm_100 and gfx950. A layout decision of Triton's that
+sends the decoded weight through shared memory costs no accuracy, only speed (the E4M3
+decode ran at half speed that way, unseen, until the check counted ``STSM``:
+docs/performance.md), so only this test catches it. It runs the script in a subprocess
+with the interpreter off, under whichever Triton is first on the path (CI's matrix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Triton releases from which the 8-warp upcast tiles convert the decoded weight through
+#: shared memory (seen with 3.9 on 2026-12-04; 3.6 and 3.7.1 do not): a speed regression
+#: the notes record (docs/notes/triton_mxfp4.md), tolerated here for exactly those rows.
+ROUND_TRIP_FROM = (3, 8)
+
+
+def _version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("compile")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(out / "cache")
+    script = ROOT / "benchmarks" / "triton_mx_compile.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    report = out / "triton_mx_compile.json"
+    assert report.exists(), done.stdout[-2000:] + done.stderr[-4000:]
+    found = json.loads(report.read_text())
+    assert found["triton"] == triton.__version__
+    return found["rows"]
+
+
+def test_every_target_and_kernel_is_checked(rows):
+    targets = {r["target"] for r in rows}
+    assert targets == {"sm_90", "sm_100", "gfx950"}
+    names = " ".join(r["kernel"] for r in rows if r["target"] == "sm_90")
+    assert "upcast e4m3" in names and "upcast e2m1" in names and "wgrad bf16" in names
+
+
+def test_compiled_code_is_as_designed(rows):
+    """Every row passes; from ``ROUND_TRIP_FROM`` on, 8-warp upcast tiles may fail only by
+    stores to shared memory in the loop (still wgmma, still pipelined)."""
+    tolerated = _version() >= ROUND_TRIP_FROM
+    for r in rows:
+        if r["ok"]:
+            continue
+        round_trip_only = (
+            r["target"] == "sm_90"
+            and r["kernel"].startswith("upcast")
+            and r["warps"] == 8
+            and r["counts"]["HGMMA"] > 0
+            and r["pipeline"]["ok"]
+        )
+        assert tolerated and round_trip_only, f"Triton {triton.__version__}: {r['kernel']} on {r['target']}: {r}"
+
+
+def test_4_warp_upcast_tiles_never_round_trip(rows):
+    """The decode tiles (4 warps) keep the weight in registers under every Triton."""
+    small = [r for r in rows if r["kernel"].startswith("upcast") and r["warps"] == 4]
+    assert small and all(r["counts"]["STS"] + r["counts"]["STSM"] == 0 for r in small)
