@@ -21,6 +21,7 @@ import triton.language as tl
 import grouped_gemm as gg
 from grouped_gemm.backends.triton_mx import TritonMxfp8Backend, launch, layouts_e4m3
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
+from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
@@ -260,7 +261,7 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr, FOLD:
     rn = tl.arange(0, BN)
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
-        words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 2 + 8 * (b // 2) + b % 2)
+        words = tl.load(W + rn[:, None] * stride_w + layout_word(tl.arange(0, 4)[None, :], b, 8))
         values = _block(words, run_scales, b, PTX, FOLD, "e4m3")
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 

@@ -646,7 +646,7 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
     weight format (E4M3: at most ``E4M3_MAX_BLOCKS`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
-    blocks = (2,) if w_fmt == "e4m3" else (2, 4)
+    blocks = tuple(b for b in (2, 4) if w_fmt != "e4m3" or b <= E4M3_MAX_BLOCKS)
     moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": blocks}
     return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
 

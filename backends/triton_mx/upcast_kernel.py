@@ -29,6 +29,7 @@ from grouped_gemm.backends.triton_mx.decode import (
     e8m0_to_bf16x2,
 )
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
+from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
 
 
 @triton.jit
@@ -99,8 +100,7 @@ def _step(
         cols = run + first4 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
         words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
     else:  # the same order, four blocks from first = 0 (the interpreter's tiles)
-        b = tl.arange(0, 4)[None, None, :]
-        cols = run + 8 * (b // 2) + 2 * tl.arange(0, 4)[None, :, None] + b % 2
+        cols = run + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[None, None, :], 8)
         words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:

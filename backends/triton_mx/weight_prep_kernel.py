@@ -83,9 +83,10 @@ def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.cons
 
 
 @triton.jit
-def _word(q, b, NBITS: tl.constexpr):
+def layout_word(q, b, NBITS: tl.constexpr):
     """The word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py) or
-    ``8 * (b // 2) + 2q + b % 2`` (E4M3, ``layouts_e4m3.word_index``)."""
+    ``8 * (b // 2) + 2q + b % 2`` (E4M3, ``layouts_e4m3.word_index``). The upcast kernel
+    reads E4M3 words by it too."""
     if NBITS == 8:
         return 8 * (b // 2) + 2 * q + b % 2
     return 4 * q + b
@@ -162,7 +163,7 @@ def quantize_upcast_kernel(
         code = tl.where(nonfinite[None, None, :, None, :], 0, code)
         words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
         row3 = row0 + tl.arange(0, ROWS)[None, None, :]
-        offsets = row3 * sd_row + _word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
     else:
         j = tl.arange(0, 4)[:, None, None, None]
         b = tl.arange(0, 4)[None, :, None, None]
@@ -178,7 +179,7 @@ def quantize_upcast_kernel(
         hh = tl.arange(0, 2)[None, None, None, None, :]
         words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
         row3 = row0 + tl.arange(0, ROWS)[None, :, None]
-        offsets = row3 * sd_row + _word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
     tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
