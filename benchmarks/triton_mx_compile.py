@@ -36,6 +36,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from grouped_gemm.backends.triton_mx.launch import paired_words
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
@@ -165,6 +166,7 @@ def _sm90_row(c, name: str) -> dict:
 
 
 def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
+    warps = 8 if bm >= 128 else 4
     c = _compile(
         upcast_grouped_kernel,
         {"A": "*bf16", "W": "*i64" if w_fmt == "e4m3" else "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"},
@@ -178,10 +180,11 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
             PTX=True,
             FOLD=fold,
             W_FMT=w_fmt,
+            PAIRED=paired_words(w_fmt, blocks, warps),
             INTERP=False,
         ),
         TARGETS["sm_90"],
-        warps=8 if bm >= 128 else 4,
+        warps=warps,
         stages=4,
     )
     return _sm90_row(c, f"upcast {w_fmt} BM={bm} BLOCKS={blocks} FOLD={fold}")
@@ -246,6 +249,7 @@ def main() -> None:
         _upcast("e4m3", True, 256, 2),
         _upcast("e4m3", False, 256, 2),
         _upcast("e4m3", True, 16, 2),
+        _upcast("e4m3", True, 32, 2),
         _upcast("e4m3", True, 128, 2),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),

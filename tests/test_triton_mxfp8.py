@@ -316,16 +316,17 @@ def test_folded_scale_multiply_matches(gen):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("blocks", [2, 4])
-def test_upcast_contraction_steps(blocks, gen):
-    """Both step sizes of the upcast kernel on E4M3 weights against float64, K = 192:
-    64-element steps also start in the middle of a 128-run, 128-element steps read the
-    layout's zero padding."""
+@pytest.mark.parametrize(("blocks", "warps"), [(2, 4), (2, 8), (4, 4)])
+def test_upcast_contraction_steps(blocks, warps, gen):
+    """Every way the upcast kernel reads E4M3 words, against float64, K = 192: 64-element
+    steps as 16-byte pairs (4 warps, ``launch.paired_words``) or one word per load (8
+    warps), also starting in the middle of a 128-run; 128-element steps read the layout's
+    zero padding."""
     splits = [3, 0, 29]
     n, k = 96, 192
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e4m3")
-    config = launch.UpcastConfig(bm=16, bn=64, blocks=blocks, warps=4, stages=1, per_sm=1)
+    config = launch.UpcastConfig(bm=16, bn=64, blocks=blocks, warps=warps, stages=1, per_sm=1)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     got = launch.launch_upcast(x, lay, torch.tensor(splits), poison(torch.empty(32, n)), 3, config)
     assert sqnr_db(got, ref_fwd(x, w.dequantize(), splits)) >= MIN_SQNR
@@ -453,6 +454,28 @@ def test_gpu_matches_reference(op, splits, path, gen):
     else:
         _check_against_reference(op, sizes, n, k, gen, device=device)
         _check_against_reference(op, sizes, n, k, gen, recipe=E5M2_GRADS, device=device, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_every_upcast_candidate_matches_reference(gen):
+    """Every tuning candidate of the E4M3 upcast kernel at 4 and 256 rows per group (paired
+    and one-word loads, 4 and 8 warps) against float64, skewed splits with an empty group."""
+    device = torch.device("cuda")
+    groups, n, k = 6, 384, 640
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), "e4m3")
+    lay = layouts_e4m3.build_upcast_weight_e4m3(w)
+    paired = set()
+    for mean_rows in (4, 256):
+        splits = [0, *gg.skewed_splits(groups - 1, mean_rows * groups)]
+        x = torch.randn(sum(splits), k, generator=gen).to(device, torch.bfloat16)
+        want = ref_fwd(x.cpu(), w.dequantize().cpu(), splits)
+        sizes = torch.tensor(splits, device=device)
+        for config in launch.upcast_configs(sum(splits), groups, "e4m3"):
+            paired.add(launch.paired_words("e4m3", config.blocks, config.warps))
+            out = poison(torch.empty(x.shape[0], n, device=device))
+            got = launch.launch_upcast(x, lay, sizes, out, groups, config)
+            assert sqnr_db(got.cpu(), want) >= MIN_SQNR, config
+    assert paired == {True, False}
 
 
 @pytest.mark.gpu

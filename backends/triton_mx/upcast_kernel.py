@@ -77,6 +77,7 @@ def _step(
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
+    PAIRED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
@@ -91,11 +92,16 @@ def _step(
     if W_FMT == "e2m1":  # word 4q + b (layouts)
         cols = run + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
         words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
+    elif PAIRED:
+        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): this step's eight words from
+        # 4 * first, loaded as one contiguous (row, 8) tile (a 16-byte pair per thread) and
+        # split into (q, b % 2) after: Triton's load layout is then wgmma's on 4-warp tiles.
+        cols = run + 4 * first + tl.arange(0, 8)[None, :]
+        words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
     elif BLOCKS == 2:
-        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): this step's eight words start at
-        # 4 * first, written (k % 128) // 8 so Triton 3.6 cannot prove 16-byte alignment
-        # and keeps one word per load: with pairs (a vectorized load) its layout pass
-        # converted the decoded tile through shared memory on 8-warp tiles.
+        # The same words one per load: written (k % 128) // 8, 4 * first has no alignment
+        # Triton 3.6 can prove, and a vectorized pair load made its layout pass convert the
+        # decoded tile through shared memory on 8-warp tiles.
         first4 = (k % 128) // 8
         cols = run + first4 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
         words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
@@ -146,6 +152,7 @@ def upcast_grouped_kernel(
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
+    PAIRED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     BK: tl.constexpr = 32 * BLOCKS
@@ -162,7 +169,7 @@ def upcast_grouped_kernel(
         s_rows = S + g.to(tl.int64) * stride_sg + rn
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         tile = (a_rows, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
-        acc = contract(_step, acc, 0, k_red, BK, tile, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, INTERP), INTERP)
+        acc = contract(_step, acc, 0, k_red, BK, tile, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
         out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
         t += NUM_PROGS
