@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 import grouped_gemm as gg
-from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, launch, layouts
+from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, decode, launch, layouts
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
@@ -189,7 +189,10 @@ def test_upcast_layout_round_trip(gen):
         w = quantize_mx_weight(torch.randn(2, 64, 160, generator=gen), "e2m1", op=op)
         lay = layouts.build_upcast_weight(w)
         runs = lay.k_padded // 128
-        nibbles = torch.stack([(lay.data >> (4 * i)) & 15 for i in range(8)], dim=-1)  # g, row, word, j + 4h
+        bits = [decode.E2M1_BITS[i % 4][i // 4] for i in range(8)]
+        nibbles = torch.stack(
+            [sum(((lay.data >> b) & 1) << k for k, b in enumerate(bits[i])) for i in range(8)], -1
+        )  # j + 4h
         nibbles = nibbles.reshape(2, lay.rows, runs, 4, 4, 2, 4)  # g, row, run, q, b, h, j
         codes = nibbles.permute(0, 1, 2, 4, 6, 3, 5).reshape(2, lay.rows, -1)[..., : lay.k_red]
         words = lay.scales.transpose(1, 2)

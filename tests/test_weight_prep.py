@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.backends.triton_mx import layouts, layouts_e4m3
+from grouped_gemm.backends.triton_mx import decode, layouts, layouts_e4m3, weight_prep_kernel
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.testing import poison, ref_fwd, sqnr_db
 
@@ -25,8 +25,8 @@ POISON_WORD = 0x5A5A5A5A
 
 def _reference_layout(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(data (G, rows, runs, 16), scales (G, runs, rows)) int32, per group with torch ops:
-    element ``32b + 8j + 2q + h`` of each 128-run -> word ``4q + b``, nibble ``j + 4h``;
-    scale bytes of blocks ``4r .. 4r + 3`` little-endian in one int32; zero padding."""
+    element ``32b + 8j + 2q + h`` of each 128-run -> word ``4q + b``, code bits at
+    ``decode.E2M1_BITS[j][h]``; scale bytes of blocks ``4r .. 4r + 3`` little-endian in one int32; zero padding."""
     groups = mx.shape[0]
     rows = mx.shape[1] if mx.axis == 2 else mx.shape[2]
     k_red = mx.shape[mx.axis]
@@ -44,11 +44,32 @@ def _reference_layout(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
             blocks = mx.scale[g].cpu().T
         codes = torch.nn.functional.pad(codes, (0, k_padded - k_red)).to(torch.int64)
         nibbles = codes.reshape(rows, runs, 4, 4, 4, 2).permute(0, 1, 4, 2, 5, 3).reshape(rows, runs, 16, 8)
-        words = (nibbles << (4 * torch.arange(8))).sum(-1)
+        words = _place_codes(nibbles)
         data[g] = (words - ((words >> 31) << 32)).to(torch.int32)
         blocks = torch.nn.functional.pad(blocks, (0, (k_padded - k_red) // 32))
         scales[g] = blocks.contiguous().view(torch.int32).T
     return data, scales
+
+
+def _place_codes(codes: torch.Tensor) -> torch.Tensor:
+    """(..., 8) int64 E2M1 codes of elements (j, h) in order ``j + 4h`` -> (...) words, every
+    code bit where ``decode.E2M1_BITS`` says."""
+    words = torch.zeros(codes.shape[:-1], dtype=torch.int64)
+    for i in range(8):
+        for bit, place in enumerate(decode.E2M1_BITS[i % 4][i // 4]):
+            words |= ((codes[..., i] >> bit) & 1) << place
+    return words
+
+
+def test_e2m1_word_arrangement_is_a_permutation_written_in_six_moves():
+    """Every bit of a stored E2M1 word holds exactly one code bit, and the prep kernels'
+    six rotate-and-mask terms (which their jit code lists one by one) put every bit."""
+    places = sorted(b for pair in decode.E2M1_BITS for lane in pair for b in lane)
+    assert places == list(range(32))
+    moves = weight_prep_kernel._nibble_order_moves()
+    assert len(moves) == 6
+    masks = [mask for _, mask in moves]
+    assert sum(masks) == 0xFFFFFFFF and all(a & b == 0 for i, a in enumerate(masks) for b in masks[i + 1 :])
 
 
 @pytest.fixture

@@ -6,18 +6,21 @@ representable in fp32 and, E2M1 having two significant bits and E4M3 four, in bf
 from the matrix units' fp32 accumulation, as in the reference backend.
 
 Two implementations of the E2M1 -> bf16 decode of the Hopper upcast kernel, which takes
-int32 words of eight E2M1 codes (nibble i at bits 4i; see ``layouts.UpcastWeight`` for
-which elements they are) and returns eight bf16 tensors, one per nibble position:
+int32 words of eight E2M1 codes, four element pairs (j, h = 0, 1; ``layouts.UpcastWeight``
+says which elements), and returns eight bf16 tensors, output ``j + 4h`` the element (j, h):
 
-- ``e2m1_words_to_bf16`` (portable, and what Triton's CPU interpreter runs): integer ops on
-  fp32 bit patterns, then one fp32 multiply by the scale.
-- ``e2m1_words_to_bf16_ptx`` (sm_90): PTX on packed registers. Nibbles i and i + 4 sit 16
-  bits apart, so shifting the word moves both codes alike: one shift puts their three
-  magnitude bits at bits 6..8 of the two 16-bit lanes, another (none for i = 3) their
-  signs at bits 15 and 31, and an ``and`` and a ``lop3`` keep exactly those bits. That
-  pattern, read as bf16, is the E2M1 value times 2^-126 (the E2M1 subnormal 0.5 lands on the bf16
-  subnormal 2^-127, exactly), so two ``mul.bf16x2``, by 2^126 and by the block scale,
-  give the value, exact for every scale byte: both factors are powers of two that bf16
+- Both start from the pair's *decode pattern*: in each 16-bit lane h, the code's sign at
+  bit 15 and its three magnitude bits at 8..6. Read as bf16 that is the E2M1 value times
+  2^-126 (the E2M1 subnormal 0.5 lands on the bf16 subnormal 2^-127, exactly). The word
+  stores each pair so that a rotation and a mask give its pattern (``E2M1_PIECES``: pair
+  3 takes two rotations and a merge): 9 integer instructions a word. Plain nibbles took
+  15, because a nibble's sign and magnitude are adjacent while the pattern holds them 7
+  bits apart, so each needed a shift of its own.
+- ``e2m1_words_to_bf16`` (portable, and what Triton's CPU interpreter runs): the patterns
+  as fp32 bits, times 2^126 and the scale in fp32.
+- ``e2m1_words_to_bf16_ptx`` (sm_90): the same on packed registers (``shf.l.wrap``,
+  ``and``, one ``lop3``), then two ``mul.bf16x2``, by 2^126 and by the block scale, which
+  give the value exactly for every scale byte: both factors are powers of two that bf16
   represents (2^-127 is a bf16 subnormal) and the products only round where the true
   result overflows, as fp32 would. With ``FOLD`` (every scale byte of the weight at most
   128) the 2^126 is part of the scale operand and one multiply does (``e8m0_to_bf16x2``).
@@ -101,50 +104,109 @@ def e8m0_to_bf16x2(e, FOLD: tl.constexpr, SHIFT: tl.constexpr = 126):
     return tl.where(special, both | 0x00400040, both).to(tl.int32, bitcast=True)
 
 
+#: The decode pattern's bits in each 16-bit lane: sign at 15, the magnitude (two exponent
+#: bits, one mantissa bit) at 8..6. Read as bf16 that is the E2M1 value times 2^-126.
+E2M1_PATTERN_MASK = 0x81C081C0
+#: Where an E2M1 word stores its four element pairs (``layouts.UpcastWeight``): rotating the
+#: word left by ``rotation`` and keeping ``mask`` gives pair p's decode pattern (element
+#: (p, h) in lane h). Pairs 0-2 are one piece each (the rotated word, masked); pair 3 is two,
+#: its bits 15, 7, 6 under rotation 6 and its bit 8 under rotation 14. No four rotations of
+#: one 4-bit lane pattern tile a word, so one pair must come in pieces; this arrangement
+#: (found by exhaustive search over rotations and splits) decodes a word in 9 integer
+#: instructions, where the nibble order took 15.
+E2M1_PIECES = (
+    ((0, E2M1_PATTERN_MASK),),
+    ((4, E2M1_PATTERN_MASK),),
+    ((10, E2M1_PATTERN_MASK),),
+    ((6, 0x80C080C0), (14, 0x01000100)),
+)
+
+
+def _e2m1_bit(pair: int, h: int, bit: int) -> int:
+    target = (6, 7, 8, 15)[bit] + 16 * h  # where the decode pattern wants the code's bit
+    rotation = next(r for r, mask in E2M1_PIECES[pair] if mask >> target & 1)
+    return (target - rotation) % 32
+
+
+#: ``E2M1_BITS[j][h][i]``: the bit of a stored word that holds bit i (0: mantissa, 1-2:
+#: exponent, 3: sign) of the E2M1 code of element (j, h) (``layouts.UpcastWeight``).
+E2M1_BITS = tuple(tuple(tuple(_e2m1_bit(j, h, i) for i in range(4)) for h in range(2)) for j in range(4))
+E2M1_ROT1 = tl.constexpr(E2M1_PIECES[1][0][0])
+E2M1_ROT2 = tl.constexpr(E2M1_PIECES[2][0][0])
+E2M1_ROT3A, E2M1_MASK3A = tl.constexpr(E2M1_PIECES[3][0][0]), tl.constexpr(E2M1_PIECES[3][0][1])
+E2M1_ROT3B, E2M1_MASK3B = tl.constexpr(E2M1_PIECES[3][1][0]), tl.constexpr(E2M1_PIECES[3][1][1])
+
+
 @triton.jit
-def _nibble_to_bf16(words, i: tl.constexpr, factor):
-    return (e2m1_to_fp32((words >> (4 * i)) & 15) * factor).to(tl.bfloat16)
+def rotate_left(u, n: tl.constexpr):
+    """uint32 ``u`` rotated left by ``n`` bits (0 <= n < 32)."""
+    if n == 0:
+        return u
+    return (u << n) | (u >> (32 - n))
+
+
+@triton.jit
+def e2m1_patterns(words):
+    """int32 words in the stored arrangement (``E2M1_PIECES``) -> the four pairs' decode
+    patterns (uint32, element (p, h) in lane h; see ``E2M1_PATTERN_MASK``)."""
+    u = words.to(tl.uint32, bitcast=True)
+    p3 = (rotate_left(u, E2M1_ROT3A) & E2M1_MASK3A) | (rotate_left(u, E2M1_ROT3B) & E2M1_MASK3B)
+    return (
+        u & E2M1_PATTERN_MASK,
+        rotate_left(u, E2M1_ROT1) & E2M1_PATTERN_MASK,
+        rotate_left(u, E2M1_ROT2) & E2M1_PATTERN_MASK,
+        p3,
+    )
+
+
+@triton.jit
+def _lane_to_bf16(lane_bits, factor):
+    """A lane's pattern, placed in the top half of an fp32 (where bf16 bits sit), -> its
+    value times ``factor`` as bf16: pattern * 2^126 is the E2M1 value, exact in fp32."""
+    return (lane_bits.to(tl.float32, bitcast=True) * TWO_POW_126 * factor).to(tl.bfloat16)
 
 
 @triton.jit
 def e2m1_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
-    """int32 words of eight E2M1 codes -> eight bf16 tensors (nibble 0 first), each value
-    times its word's scale. ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD)``.
-    Portable version."""
+    """int32 words of eight E2M1 codes (``E2M1_PIECES``) -> eight bf16 tensors, output
+    ``p + 4h`` the element (p, h), each value times its word's scale. ``scale_bits`` is
+    ``e8m0_to_bf16x2(scale bytes, FOLD)``. Portable version."""
     factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
     if FOLD:
-        factor = factor * 1.1754943508222875e-38  # 2^-126: e2m1_to_fp32 already includes 2^126
+        factor = factor * 1.1754943508222875e-38  # 2^-126: _lane_to_bf16 already includes 2^126
+    p0, p1, p2, p3 = e2m1_patterns(words)
     return (
-        _nibble_to_bf16(words, 0, factor),
-        _nibble_to_bf16(words, 1, factor),
-        _nibble_to_bf16(words, 2, factor),
-        _nibble_to_bf16(words, 3, factor),
-        _nibble_to_bf16(words, 4, factor),
-        _nibble_to_bf16(words, 5, factor),
-        _nibble_to_bf16(words, 6, factor),
-        _nibble_to_bf16(words, 7, factor),
+        _lane_to_bf16(p0 << 16, factor),
+        _lane_to_bf16(p1 << 16, factor),
+        _lane_to_bf16(p2 << 16, factor),
+        _lane_to_bf16(p3 << 16, factor),
+        _lane_to_bf16(p0 & 0xFFFF0000, factor),
+        _lane_to_bf16(p1 & 0xFFFF0000, factor),
+        _lane_to_bf16(p2 & 0xFFFF0000, factor),
+        _lane_to_bf16(p3 & 0xFFFF0000, factor),
     )
 
 
 def _words_ptx(fold: bool) -> str:
-    """PTX of the word decode: per nibble pair (i, i + 4), shift the word so the two codes'
-    magnitude bits land on bits 6..8 of their 16-bit lanes and, separately, so their sign
-    bits land on bits 15 and 31; mask and merge (``and`` + ``lop3``), which gives the bf16
-    pattern value * 2^-126; then multiply by 2^126 (unless folded into the scale) and by
-    the scale. Nibble pair 3's signs are in place already: 4 integer instructions per pair,
-    3 for the last."""
-    lines = ["{", ".reg .b32 a, b, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
-    for i in range(4):
-        magnitude = 6 - 4 * i
-        lines.append(f"shl.b32 a, $8, {magnitude};" if magnitude > 0 else f"shr.b32 a, $8, {-magnitude};")
-        if i < 3:
-            lines += [f"shl.b32 b, $8, {12 - 4 * i};", "and.b32 b, b, 0x80008000;"]
-        else:
-            lines.append("and.b32 b, $8, 0x80008000;")
-        lines.append("lop3.b32 v, a, b, 0x01c001c0, 0xec;")  # (a & c) | b
+    """PTX of the word decode: per pair, rotate the word (``shf.l.wrap``) so the pair's
+    bits land on the decode pattern's positions and keep them (``and``; pair 3 merges its
+    two pieces with one ``lop3``), which gives the bf16 pattern value * 2^-126 in each
+    lane; then multiply by 2^126 (unless folded into the scale) and by the scale. 9
+    integer instructions a word."""
+    lines = ["{", ".reg .b32 r, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7e807e80;"]
+    for p, pieces in enumerate(E2M1_PIECES):
+        for i, (rotation, mask) in enumerate(pieces):
+            src = "$8"
+            if rotation:
+                lines.append(f"shf.l.wrap.b32 r, $8, $8, {rotation};")
+                src = "r"
+            if i == 0:
+                lines.append(f"and.b32 v, {src}, {mask:#010x};")
+            else:
+                lines.append(f"lop3.b32 v, {src}, v, {mask:#010x}, 0xec;")  # (src & mask) | v
         if not fold:
             lines.append("mul.rn.bf16x2 v, v, big;")
-        lines.append(f"mul.rn.bf16x2 p{i}, v, $9;")
+        lines.append(f"mul.rn.bf16x2 p{p}, v, $9;")
     lines += [f"mov.b32 {{${i}, ${i + 4}}}, p{i};" for i in range(4)]
     return "\n".join([*lines, "}"])
 
@@ -156,7 +218,7 @@ WORDS_PTX_FOLDED = tl.constexpr(_words_ptx(fold=True))
 @triton.jit
 def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
     """sm_90 version of ``e2m1_words_to_bf16`` (see the module docstring); same results."""
-    # $0..$7: nibbles 0..7; $8: the word; $9: the multiplier as bf16 in both halves.
+    # $0..$7: outputs j + 4h; $8: the word; $9: the multiplier as bf16 in both halves.
     return tl.inline_asm_elementwise(
         asm=WORDS_PTX_FOLDED if FOLD else WORDS_PTX,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
@@ -175,7 +237,7 @@ def _byte_to_bf16(words, i: tl.constexpr, factor):
 @triton.jit
 def e4m3_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
     """int64 words of eight E4M3 bytes -> eight bf16 tensors, each value times its word's
-    scale, in the nibble order of ``e2m1_words_to_bf16``: output ``j + 4h`` is byte
+    scale, in the output order of ``e2m1_words_to_bf16``: output ``j + 4h`` is byte
     ``2j + h`` (``layouts_e4m3`` stores element pair (k, k + 1) in bytes 2j, 2j + 1).
     ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD, 120)``. Portable version."""
     factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)

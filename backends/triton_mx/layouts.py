@@ -9,10 +9,13 @@ a multiple of 128 with zero codes:
   of ``m64nNk16``, the thread with ``q = lane % 4`` holds, per row, contraction elements
   2q, 2q+1, 2q+8, 2q+9 of each 16; so for every run of 128 elements a row stores 16
   words, word ``4q + b`` (q, b in 0..3) holding the elements ``32b + 8j + 2q + h`` of its
-  32-block b at nibble ``j + 4h`` (j in 0..3, h in 0..1). A thread's words are contiguous
-  (16 bytes per 128 elements), every word lies in one 32-block (one scale), and nibbles
-  i and i + 4 are the consecutive elements (k, k+1) that share a register of the
-  fragment, which the decode produces together. The kernel puts the decoded values back
+  32-block b (j in 0..3, h in 0..1). A thread's words are contiguous (16 bytes per 128
+  elements), and every word lies in one 32-block (one scale). Within a word the pair j
+  (the consecutive elements h = 0, 1 that share a register of the fragment, which the
+  decode produces together) is stored so that rotating the word and masking gives its
+  bf16 bit pattern (``decode.E2M1_PIECES``; ``decode.E2M1_BITS`` lists where each
+  code bit sits): 9 integer instructions a word instead of the 15 of plain nibbles (``j + 4h``,
+  the order ``weight_prep_kernel._pack`` starts from). The kernel puts the decoded values back
   in contraction order with join / permute / reshape, which the compiler resolves to
   register renaming (no data movement: docs/notes/triton_mxfp4.md has the instruction
   counts). Stored run-major (memory order group, run, row, word): the runs a row tile

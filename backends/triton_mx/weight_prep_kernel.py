@@ -18,8 +18,9 @@ A program handles ``ROWS`` layout rows of one 128-element contraction run of one
 Strides say where a row and a contraction element live in the input, so the same kernels
 serve fwd (rows = N, contraction = K: contiguous along the contraction) and dgrad (rows =
 K, contraction = N: contiguous along the rows). The word arrangement (element
-``32b + 8j + 2q + h`` of a run -> word ``4q + b``, nibble ``j + 4h``) is in layouts.py;
-E4M3 words sit at ``layouts_e4m3.word_index`` instead.
+``32b + 8j + 2q + h`` of a run -> word ``4q + b``, its code bits where
+``decode.E2M1_BITS`` says) is in layouts.py; E4M3 words sit at
+``layouts_e4m3.word_index`` instead.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from grouped_gemm.backends.triton_mx.decode import E2M1_BITS, rotate_left
 from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
 
 
 @triton.jit
 def _words(codes, ROWS: tl.constexpr):
-    """(ROWS, 128) E2M1 codes of a run -> (ROWS, 4 [b], 4 [q]) int32 words, element
-    ``32b + 8j + 2q + h`` at nibble ``j + 4h``."""
+    """(ROWS, 128) E2M1 codes of a run -> (ROWS, 4 [b], 4 [q]) int32 words holding elements
+    ``32b + 8j + 2q + h`` as pairs (j, h) (``_pack``)."""
     split = tl.reshape(codes, (ROWS, 4, 4, 4, 2))  # row, b, j, q, h
     return _pack(split, tl.arange(0, 4)[None, None, :, None, None], tl.arange(0, 2)[None, None, None, None, :], 2, 4, 4)
 
@@ -73,13 +75,47 @@ def _load_threads_first(ptrs, mask, THREADED: tl.constexpr, BACK: tl.constexpr, 
 @triton.jit
 def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.constexpr):
     """Words from codes whose axes ``J_AXIS`` / ``H_AXIS`` hold j and h (``j``, ``h``: their
-    indices, broadcastable): E2M1 nibble ``j + 4h`` of an int32, or E4M3 byte ``2j + h`` of an
-    int64 (``layouts_e4m3``). The codes occupy disjoint bits, so the sum is their OR."""
+    indices, broadcastable): E2M1 codes as nibble ``j + 4h`` of an int32, then moved to the
+    stored arrangement (``_arrange_e2m1``), or E4M3 byte ``2j + h`` of an int64
+    (``layouts_e4m3``). The codes occupy disjoint bits, so the sum is their OR."""
     if NBITS == 8:
         shifted = code.to(tl.int64) << (16 * j + 8 * h).to(tl.int64)
-    else:
-        shifted = code << (4 * j + 16 * h)
-    return tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS)
+        return tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS)
+    shifted = code << (4 * j + 16 * h)
+    return _arrange_e2m1(tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS))
+
+
+def _nibble_order_moves() -> list[tuple[int, int]]:
+    """(rotation, mask) terms that take a word with element (j, h) at nibble ``j + 4h`` to
+    the stored arrangement (``decode.E2M1_BITS``): every code bit that one left rotation
+    puts in place, gathered per rotation. Six terms: each pair's magnitude and sign move
+    apart, and pairs 2 and 3 share two rotations."""
+    masks: dict[int, int] = {}
+    for j, pair in enumerate(E2M1_BITS):
+        for h, lane in enumerate(pair):
+            for bit, place in enumerate(lane):
+                rotation = (place - (4 * j + 16 * h + bit)) % 32
+                masks[rotation] = masks.get(rotation, 0) | 1 << place
+    return sorted(masks.items())
+
+
+_MOVES = _nibble_order_moves()
+_R0, _M0 = tl.constexpr(_MOVES[0][0]), tl.constexpr(_MOVES[0][1])
+_R1, _M1 = tl.constexpr(_MOVES[1][0]), tl.constexpr(_MOVES[1][1])
+_R2, _M2 = tl.constexpr(_MOVES[2][0]), tl.constexpr(_MOVES[2][1])
+_R3, _M3 = tl.constexpr(_MOVES[3][0]), tl.constexpr(_MOVES[3][1])
+_R4, _M4 = tl.constexpr(_MOVES[4][0]), tl.constexpr(_MOVES[4][1])
+_R5, _M5 = tl.constexpr(_MOVES[5][0]), tl.constexpr(_MOVES[5][1])
+
+
+@triton.jit
+def _arrange_e2m1(words):
+    """int32 words with element (j, h) at nibble ``j + 4h`` -> the stored arrangement that
+    ``decode.e2m1_patterns`` undoes (``_nibble_order_moves``: six rotations and masks)."""
+    u = words.to(tl.uint32, bitcast=True)
+    out = (rotate_left(u, _R0) & _M0) | (rotate_left(u, _R1) & _M1) | (rotate_left(u, _R2) & _M2)
+    out |= (rotate_left(u, _R3) & _M3) | (rotate_left(u, _R4) & _M4) | (rotate_left(u, _R5) & _M5)
+    return out.to(tl.int32, bitcast=True)
 
 
 @triton.jit
