@@ -3,9 +3,11 @@
 Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the AMD linker).
 For each kernel configuration this script reports what the compiled code must show:
 
-- sm_90 upcast kernel (E2M1 and E4M3 weights): wgmma (``HGMMA`` in the SASS; the weight as
-  the register operand, so no ``STS`` / ``STSM`` in the loop: decoded values never pass
-  through shared memory), registers and spills from ptxas;
+- sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode): wgmma (``HGMMA``
+  in the SASS; the weight as the register operand, so no ``STS`` / ``STSM`` in the loop:
+  decoded values never pass through shared memory), registers and spills from ptxas;
+- sm_90 quantize-and-lay-out kernels (both formats, fwd and dgrad tiles): they compile
+  and spill nothing (what the interpreter accepts, the compiler can still refuse);
 - sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
   contraction loop, from the TTGIR: loads issued as ``cp.async`` copies before the loop
   (the prologue) and inside it, into shared-memory rings at least two deep, and the wgmma
@@ -32,10 +34,12 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("unset TRITON_INTERPRET: this script compiles the kernels")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
 from grouped_gemm.backends.triton_mx.launch import paired_words
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
@@ -165,7 +169,7 @@ def _sm90_row(c, name: str) -> dict:
     }
 
 
-def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
+def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True) -> dict:
     warps = 8 if bm >= 128 else 4
     c = _compile(
         upcast_grouped_kernel,
@@ -177,7 +181,7 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
             MAX_G=128,
             NUM_PROGS=132,
             EVEN_K=True,
-            PTX=True,
+            PTX=ptx,
             FOLD=fold,
             W_FMT=w_fmt,
             PAIRED=paired_words(w_fmt, blocks, warps),
@@ -187,7 +191,43 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int) -> dict:
         warps=warps,
         stages=4,
     )
-    return _sm90_row(c, f"upcast {w_fmt} BM={bm} BLOCKS={blocks} FOLD={fold}")
+    decode = "" if ptx else " portable decode"
+    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold}")
+
+
+def _prep(fmt: str, op: str) -> dict:
+    """The quantize-and-lay-out kernel at its default tile, as a launch specializes it (unit
+    stride along the contiguous axis): it must compile, with no register spills."""
+    rows, warps = layouts.DEFAULT_TILES[fmt, op]
+    rows_contiguous = op == "dgrad"
+    weight = torch.zeros(1, dtype=torch.bfloat16).view(torch.int16)
+    const = dict(
+        **({"sw_row": 1} if rows_contiguous else {"sw_k": 1}),
+        ROWS=rows,
+        FROM_FIRST=layouts.THREADS_FROM_FIRST_AXIS,
+        ROWS_CONTIGUOUS=rows_contiguous,
+        **layouts.prep_format_args(weight, fmt, "floor", rows_contiguous),
+    )
+    words = "*i64" if fmt == "e4m3" else "*i32"
+    c = _compile(
+        weight_prep_kernel.quantize_upcast_kernel,
+        {"w_ptr": "*i16", "data_ptr": words, "scale_ptr": "*i32"},
+        const,
+        TARGETS["sm_90"],
+        warps=warps,
+        stages=1,
+    )
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    regs, spills = int(usage[1]), int(usage[2])
+    return {
+        "kernel": f"prep {fmt} {op}",
+        "target": "sm_90",
+        "ok": spills == 0,
+        "found": f"{rows} rows x {warps} warps compiled",
+        "pipeline": None,
+        "regs": regs,
+        "spills": spills,
+    }
 
 
 _MMA = {"cuda": re.compile(r"tcgen05\.mma[.\w:]*block_scale[.\w:]*"), "hip": re.compile(r"v_mfma_scale_f32_\w+")}
@@ -254,7 +294,10 @@ def main() -> None:
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
         _upcast("e2m1", True, 128, 4),
+        _upcast("e2m1", True, 16, 4, ptx=False),
+        _upcast("e4m3", True, 16, 2, ptx=False),
         _wgrad("sm_90", "bf16", "bf16"),
+        *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),
     ]
     for arch in ("sm_100", "gfx950"):
         rows += [_scaled(arch, "e4m3", "e4m3"), _scaled(arch, "e5m2", "e4m3"), _scaled(arch, "e4m3", "e2m1")]

@@ -106,7 +106,7 @@ def e8m0_to_bf16x2(e, FOLD: tl.constexpr, SHIFT: tl.constexpr = 126):
 
 #: The decode pattern's bits in each 16-bit lane: sign at 15, the magnitude (two exponent
 #: bits, one mantissa bit) at 8..6. Read as bf16 that is the E2M1 value times 2^-126.
-E2M1_PATTERN_MASK = 0x81C081C0
+E2M1_PATTERN_MASK = tl.constexpr(0x81C081C0)
 #: Where an E2M1 word stores its four element pairs (``layouts.UpcastWeight``): rotating the
 #: word left by ``rotation`` and keeping ``mask`` gives pair p's decode pattern (element
 #: (p, h) in lane h). Pairs 0-2 are one piece each (the rotated word, masked); pair 3 is two,
@@ -115,9 +115,9 @@ E2M1_PATTERN_MASK = 0x81C081C0
 #: (found by exhaustive search over rotations and splits) decodes a word in 9 integer
 #: instructions, where the nibble order took 15.
 E2M1_PIECES = (
-    ((0, E2M1_PATTERN_MASK),),
-    ((4, E2M1_PATTERN_MASK),),
-    ((10, E2M1_PATTERN_MASK),),
+    ((0, E2M1_PATTERN_MASK.value),),
+    ((4, E2M1_PATTERN_MASK.value),),
+    ((10, E2M1_PATTERN_MASK.value),),
     ((6, 0x80C080C0), (14, 0x01000100)),
 )
 

@@ -199,12 +199,12 @@ def quantize_upcast_weight(
             FROM_FIRST=THREADS_FROM_FIRST_AXIS,
             ROWS_CONTIGUOUS=rows_contiguous,
             num_warps=warps,
-            **_prep_format_args(x, fmt, scale_rule, rows_contiguous),
+            **prep_format_args(x, fmt, scale_rule, rows_contiguous),
         )
     return lay
 
 
-def _prep_format_args(x: torch.Tensor, fmt: str, scale_rule: str, strided: bool) -> dict[str, int]:
+def prep_format_args(x: torch.Tensor, fmt: str, scale_rule: str, strided: bool) -> dict[str, int]:
     """The quantizer's own constants (same rules, same rounding). The strided kernel rounds
     E4M3 with integer ops instead of the hardware fp8 conversion: under Triton 3.6 on the
     H200 that conversion came out wrong there (byte 5 of every word 0xFC, 2026-12-04), and

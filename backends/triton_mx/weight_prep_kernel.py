@@ -79,10 +79,10 @@ def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.cons
     stored arrangement (``_arrange_e2m1``), or E4M3 byte ``2j + h`` of an int64
     (``layouts_e4m3``). The codes occupy disjoint bits, so the sum is their OR."""
     if NBITS == 8:
-        shifted = code.to(tl.int64) << (16 * j + 8 * h).to(tl.int64)
-        return tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS)
-    shifted = code << (4 * j + 16 * h)
-    return _arrange_e2m1(tl.sum(tl.sum(shifted, axis=H_AXIS), axis=J_AXIS))
+        words = tl.sum(tl.sum(code.to(tl.int64) << (16 * j + 8 * h).to(tl.int64), axis=H_AXIS), axis=J_AXIS)
+    else:
+        words = _arrange_e2m1(tl.sum(tl.sum(code << (4 * j + 16 * h), axis=H_AXIS), axis=J_AXIS))
+    return words
 
 
 def _nibble_order_moves() -> list[tuple[int, int]]:
