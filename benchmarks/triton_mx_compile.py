@@ -184,7 +184,7 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True) -> d
             PTX=ptx,
             FOLD=fold,
             W_FMT=w_fmt,
-            PAIRED=paired_words(w_fmt, blocks, warps),
+            PAIRED=paired_words(w_fmt, blocks, warps, 128),
             INTERP=False,
         ),
         TARGETS["sm_90"],

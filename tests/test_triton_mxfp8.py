@@ -326,7 +326,7 @@ def test_upcast_contraction_steps(blocks, warps, gen):
     n, k = 96, 192
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e4m3")
-    config = launch.UpcastConfig(bm=16, bn=64, blocks=blocks, warps=warps, stages=1, per_sm=1)
+    config = launch.UpcastConfig(bm=16, bn=128, blocks=blocks, warps=warps, stages=1, per_sm=1)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     got = launch.launch_upcast(x, lay, torch.tensor(splits), poison(torch.empty(32, n)), 3, config)
     assert sqnr_db(got, ref_fwd(x, w.dequantize(), splits)) >= MIN_SQNR
@@ -471,7 +471,7 @@ def test_gpu_every_upcast_candidate_matches_reference(gen):
         want = ref_fwd(x.cpu(), w.dequantize().cpu(), splits)
         sizes = torch.tensor(splits, device=device)
         for config in launch.upcast_configs(sum(splits), groups, "e4m3"):
-            paired.add(launch.paired_words("e4m3", config.blocks, config.warps))
+            paired.add(launch.paired_words("e4m3", config.blocks, config.warps, config.bn))
             out = poison(torch.empty(x.shape[0], n, device=device))
             got = launch.launch_upcast(x, lay, sizes, out, groups, config)
             assert sqnr_db(got.cpu(), want) >= MIN_SQNR, config

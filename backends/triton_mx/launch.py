@@ -137,19 +137,26 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
 E4M3_MAX_BLOCKS = 2
 
 
-def paired_words(w_fmt: str, blocks: int, warps: int) -> bool:
+def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
     """Whether the upcast kernel loads a step's E4M3 words as one (row, 8) tile of 16-byte
     pairs (``PAIRED``): fewer load instructions (sm_90 SASS of the 16-row tile: 268 instead
-    of 290 a step), but Triton 3.6 keeps that load in wgmma's layout only on 4-warp tiles;
-    on 8-warp ones it converted the decoded tile through shared memory."""
-    return w_fmt == "e4m3" and blocks == 2 and warps == 4
+    of 290 a step), but Triton 3.6 keeps that load in wgmma's layout only on 4-warp tiles
+    of 128 weight rows; on 8-warp or 64-row ones it converted the decoded tile through
+    shared memory (sm_90 compiles)."""
+    return w_fmt == "e4m3" and blocks == 2 and warps == 4 and bn == 128
 
 
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
-    if w_fmt == "e4m3" and config.blocks > E4M3_MAX_BLOCKS:
-        return dataclasses.replace(config, blocks=E4M3_MAX_BLOCKS)
-    return config
+    if w_fmt != "e4m3":
+        return config
+    if config.bm == 128 and config.warps == 8:
+        # E4M3 reads its words in pairs on 4-warp tiles only (``paired_words``): on the
+        # H200 the 4-warp 128 x 128 tile ran 1.25x the 8-warp one on gpt-oss gate-up (397
+        # against 317 TFLOP/s, 5 stages; docs/performance.md). At 256 rows the 8-warp tile
+        # stays ahead (492 against 429 on dsv3), and 4 warps cannot hold its accumulator.
+        return UpcastConfig(bm=128, bn=128, blocks=E4M3_MAX_BLOCKS, warps=4, stages=5, per_sm=1)
+    return dataclasses.replace(config, blocks=min(config.blocks, E4M3_MAX_BLOCKS))
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -221,7 +228,7 @@ def launch_upcast(
         PTX=ptx_decode(a.device),
         FOLD=w.small_scales,
         W_FMT=w.fmt,
-        PAIRED=paired_words(w.fmt, cfg.blocks, cfg.warps),
+        PAIRED=paired_words(w.fmt, cfg.blocks, cfg.warps, cfg.bn),
         INTERP=interpreted(),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
