@@ -169,8 +169,8 @@ def _sm90_row(c, name: str) -> dict:
     }
 
 
-def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True) -> dict:
-    warps = 8 if bm >= 128 else 4
+def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True, warps: int | None = None) -> dict:
+    warps = warps or (8 if bm >= 128 else 4)
     c = _compile(
         upcast_grouped_kernel,
         {"A": "*bf16", "W": "*i64" if w_fmt == "e4m3" else "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"},
@@ -192,7 +192,7 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True) -> d
         stages=4,
     )
     decode = "" if ptx else " portable decode"
-    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold}")
+    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}")
 
 
 def _prep(fmt: str, op: str) -> dict:
@@ -294,6 +294,8 @@ def main() -> None:
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
         _upcast("e2m1", True, 128, 4),
+        _upcast("e4m3", True, 128, 2, warps=4),
+        _upcast("e2m1", True, 128, 2, warps=4),
         _upcast("e2m1", True, 16, 4, ptx=False),
         _upcast("e4m3", True, 16, 2, ptx=False),
         _wgrad("sm_90", "bf16", "bf16"),

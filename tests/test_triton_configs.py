@@ -263,8 +263,8 @@ def test_e4m3_weights_decode_at_most_two_blocks_a_step_on_sm90(mean_rows, monkey
     assert {c["blocks"] for c in e4m3} == {launch.E4M3_MAX_BLOCKS} == {2}
     e2m1 = launch.upcast_config(m, groups, "e2m1")
     default = launch.upcast_config(m, groups, "e4m3")
-    if e2m1.bm == 128 and e2m1.warps == 8:  # the 128-row tile: 4 warps, words read in pairs
-        assert (default.bm, default.bn, default.blocks, default.warps) == (128, 128, 2, 4)
+    if e2m1.bm >= 128:  # large groups: 4-warp 128 x 128 tiles, words read in pairs, 2 a SM
+        assert (default.bm, default.bn, default.blocks, default.warps, default.per_sm) == (128, 128, 2, 4, 2)
     else:
         assert default == dataclasses.replace(e2m1, blocks=min(e2m1.blocks, 2))
     assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)

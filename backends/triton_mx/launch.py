@@ -146,16 +146,21 @@ def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
     return w_fmt == "e4m3" and blocks == 2 and warps == 4 and bn == 128
 
 
+#: 128 x 128 tiles of one warpgroup, two programs per SM (250 registers a thread: the SM's
+#: whole register file for the pair) and four stages each.
+_TWO_WARPGROUP_PROGRAMS = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per_sm=2)
+
+
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
     if w_fmt != "e4m3":
         return config
-    if config.bm == 128 and config.warps == 8:
-        # E4M3 reads its words in pairs on 4-warp tiles only (``paired_words``): on the
-        # H200 the 4-warp 128 x 128 tile ran 1.25x the 8-warp one on gpt-oss gate-up (397
-        # against 317 TFLOP/s, 5 stages; docs/performance.md). At 256 rows the 8-warp tile
-        # stays ahead (492 against 429 on dsv3), and 4 warps cannot hold its accumulator.
-        return UpcastConfig(bm=128, bn=128, blocks=E4M3_MAX_BLOCKS, warps=4, stages=5, per_sm=1)
+    if config.bm >= 128:
+        # E4M3 reads its words in pairs on 4-warp tiles only (``paired_words``); two such
+        # programs per SM beat the 8-warp 256-row tile on the H200 (kernel alone, same run:
+        # dsv3 gate-up 483 against 480 TFLOP/s, qwen3-30B 452 against 438, gpt-oss 443
+        # against 253; docs/performance.md).
+        return _TWO_WARPGROUP_PROGRAMS
     return dataclasses.replace(config, blocks=min(config.blocks, E4M3_MAX_BLOCKS))
 
 
@@ -168,11 +173,11 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
-    # Two H200 sweeps of these tiles' stages and programs per SM disagreed (weights
-    # quantized per call against pre-quantized, docs/performance.md 2026-12-04), and the
-    # train step did not move with them: autotuning picks per problem.
     if mean_rows <= 160:
-        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
+        # gpt-oss gate-up (128 rows a group) on the H200, kernel alone: 422 TFLOP/s against
+        # 350 for the 8-warp 128-row tile of four blocks a step; at 256 and 512 rows the
+        # 256-row tile below stays ahead (496 against 408, 546 against 431).
+        return _TWO_WARPGROUP_PROGRAMS
     return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
