@@ -146,22 +146,18 @@ def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
     return w_fmt == "e4m3" and blocks == 2 and warps == 4 and bn == 128
 
 
-#: 128 x 128 tiles of one warpgroup, two programs per SM (250 registers a thread: the SM's
-#: whole register file for the pair) and four stages each.
-_TWO_WARPGROUP_PROGRAMS = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per_sm=2)
+#: 128 x 128 tiles of one warpgroup, two programs per SM and four stages each: 250 registers
+#: a thread under ptxas (the SM's whole register file for the pair), over the ``REGISTERS``
+#: estimate, but compiled without spills (benchmarks/triton_mx_compile.py checks both
+#: formats), so it is offered to autotuning wherever it is not the default.
+TWO_PROGRAM_TILE = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per_sm=2)
 
 
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
-    if w_fmt != "e4m3":
-        return config
-    if config.bm >= 128:
-        # E4M3 reads its words in pairs on 4-warp tiles only (``paired_words``); two such
-        # programs per SM beat the 8-warp 256-row tile on the H200 (kernel alone, same run:
-        # dsv3 gate-up 483 against 480 TFLOP/s, qwen3-30B 452 against 438, gpt-oss 443
-        # against 253; docs/performance.md).
-        return _TWO_WARPGROUP_PROGRAMS
-    return dataclasses.replace(config, blocks=min(config.blocks, E4M3_MAX_BLOCKS))
+    if w_fmt == "e4m3" and config.blocks > E4M3_MAX_BLOCKS:
+        return dataclasses.replace(config, blocks=E4M3_MAX_BLOCKS)
+    return config
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -174,10 +170,14 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
-        # gpt-oss gate-up (128 rows a group) on the H200, kernel alone: 422 TFLOP/s against
-        # 350 for the 8-warp 128-row tile of four blocks a step; at 256 and 512 rows the
-        # 256-row tile below stays ahead (496 against 408, 546 against 431).
-        return _TWO_WARPGROUP_PROGRAMS
+        # gpt-oss gate-up (128 rows a group) on the H200, kernel alone, same run: E2M1 422
+        # TFLOP/s against 350 for the 8-warp 128-row tile of four blocks a step; E4M3 443
+        # against 317, its words read in pairs (``paired_words``: 4-warp tiles only).
+        return TWO_PROGRAM_TILE
+    # At 256 and 512 rows the 8-warp 256-row tile stays ahead for E2M1 (496 against 408,
+    # 546 against 431); for E4M3 the two ran within 1-3 % on pre-quantized weights, and a
+    # train step (unfolded scales: two multiplies a pair) went the other way on qwen3-30B,
+    # so this stays the default and autotuning is offered both (``upcast_configs``).
     return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
@@ -669,7 +669,10 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     d = _upcast_default(m, groups, w_fmt)
     blocks = tuple(b for b in (2, 4) if w_fmt != "e4m3" or b <= E4M3_MAX_BLOCKS)
     moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": blocks}
-    return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
+    space = _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
+    if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
+        space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
+    return space
 
 
 def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:
