@@ -3,7 +3,8 @@
 Configurations are picked from shapes known on the host (M, G, N, K): never from the split
 sizes, which may live on the device. ``mean rows per group`` (M / G) picks the row tile:
 decode-like calls (a few tokens per expert) get 16-32-row tiles and several programs per
-SM so enough weight bytes are in flight; large groups get 256 x 128 tiles. Measured
+SM so enough weight bytes are in flight; 65-160 rows get 128 x 128 tiles of one
+warpgroup, two programs per SM; larger groups get 256 x 128 tiles. Measured
 choices and their reasons: docs/notes/triton_mxfp4.md.
 """
 
