@@ -145,10 +145,16 @@ def _pipeline_text(p: dict) -> str:
     )
 
 
+def _registers(c) -> tuple[int, int]:
+    """(registers a thread, stack bytes) of a compiled sm_90 kernel, from ptxas."""
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    return int(usage[1]), int(usage[2])
+
+
 def _sm90_row(c, name: str) -> dict:
     """The SASS, register and pipelining checks of an sm_90 kernel."""
     sass = _cuobjdump(c.asm["cubin"], "-sass")
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    regs, spills = _registers(c)
     body = _inner_loop(sass)
     count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
     pipe = _pipeline(c)
@@ -164,8 +170,8 @@ def _sm90_row(c, name: str) -> dict:
         "warps": c.metadata.num_warps,
         "found": found,
         "pipeline": pipe,
-        "regs": int(usage[1]),
-        "spills": int(usage[2]),
+        "regs": regs,
+        "spills": spills,
     }
 
 
@@ -217,8 +223,7 @@ def _prep(fmt: str, op: str) -> dict:
         warps=warps,
         stages=1,
     )
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
-    regs, spills = int(usage[1]), int(usage[2])
+    regs, spills = _registers(c)
     return {
         "kernel": f"prep {fmt} {op}",
         "target": "sm_90",
