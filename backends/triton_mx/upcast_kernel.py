@@ -86,7 +86,14 @@ def _step(
     and the blocks are concatenated along K; loads, splits and joins all stay in the wgmma
     operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
     BK: tl.constexpr = 32 * BLOCKS
-    first = (k % 128) // 32
+    if BLOCKS == 4:
+        # k is a multiple of 128, so the step starts a run: a constant 0 lets the E2M1 words
+        # of a (row, q) load as one 16-byte piece, where a runtime ``first`` made them four
+        # 4-byte copies and four 4-byte shared-memory reads (every 32-byte sector visited
+        # eight times a step).
+        first = 0
+    else:
+        first = (k % 128) // 32
     rows: tl.constexpr = w_rows.shape[0]
     run = (k // 128) * stride_wr
     if W_FMT == "e2m1":  # word 4q + b (layouts)
