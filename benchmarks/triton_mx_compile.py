@@ -72,18 +72,21 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def _inner_loop(sass: str) -> list[str]:
-    """Opcodes of the smallest loop (a backward branch's range) that holds an HGMMA."""
-    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", sass, re.M)
-    code = [(int(addr, 16), op, rest) for addr, op, rest in lines]
+def _inner_loop(sass: str, modifiers: bool = False) -> list[str]:
+    """Opcodes of the smallest loop (a backward branch's range) that holds an HGMMA; with
+    ``modifiers``, as written (``LDGSTS.E.BYPASS.128``), else their first part (``LDGSTS``)."""
+    line = r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?([^;]*);"
+    lines = re.findall(line, sass, re.M)
+    code = [(int(addr, 16), op, mods, rest) for addr, op, mods, rest in lines]
     loops = []
-    for addr, op, rest in code:
+    for addr, op, _, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target[1], 16) < addr:
-            body = [o for a, o, _ in code if int(target[1], 16) <= a <= addr]
-            if "HGMMA" in body:
+            body = [(o, o + m) for a, o, m, _ in code if int(target[1], 16) <= a <= addr]
+            if any(o == "HGMMA" for o, _ in body):
                 loops.append(body)
-    return min(loops, key=len) if loops else []
+    body = min(loops, key=len) if loops else []
+    return [full if modifiers else op for op, full in body]
 
 
 def _loop_body(ir: str, op: str) -> tuple[list[str], list[str]]:
@@ -151,21 +154,25 @@ def _registers(c) -> tuple[int, int]:
     return int(usage[1]), int(usage[2])
 
 
-def _sm90_row(c, name: str) -> dict:
-    """The SASS, register and pipelining checks of an sm_90 kernel."""
+def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
+    """The SASS, register and pipelining checks of an sm_90 kernel; ``narrow_copies_max``:
+    the most 4-byte ``cp.async`` copies (``LDGSTS.E``) its contraction loop may issue."""
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs, spills = _registers(c)
     body = _inner_loop(sass)
     count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
+    count["narrow_copies"] = _inner_loop(sass, modifiers=True).count("LDGSTS.E")
     pipe = _pipeline(c)
     found = (
         f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
-        f"STSM {count['STSM']}, PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}"
+        f"STSM {count['STSM']}, PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}, "
+        f"4-byte copies {count['narrow_copies']}"
     )
+    narrow_ok = narrow_copies_max is None or count["narrow_copies"] <= narrow_copies_max
     return {
         "kernel": name,
         "target": "sm_90",
-        "ok": count["HGMMA"] > 0 and count["STS"] + count["STSM"] == 0 and pipe["ok"],
+        "ok": count["HGMMA"] > 0 and count["STS"] + count["STSM"] == 0 and pipe["ok"] and narrow_ok,
         "counts": count,
         "warps": c.metadata.num_warps,
         "found": found,
@@ -198,7 +205,10 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True, warp
         stages=4,
     )
     decode = "" if ptx else " portable decode"
-    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}")
+    # Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
+    # only the step's row scales may come in 4-byte copies (one a thread).
+    narrow = 1 if w_fmt == "e2m1" and blocks == 4 else None
+    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}", narrow)
 
 
 def _prep(fmt: str, op: str) -> dict:

@@ -77,3 +77,11 @@ def test_4_warp_upcast_tiles_never_round_trip(rows):
     """The decode tiles (4 warps) keep the weight in registers under every Triton."""
     small = [r for r in rows if r["kernel"].startswith("upcast") and r["warps"] == 4]
     assert small and all(r["counts"]["STS"] + r["counts"]["STSM"] == 0 for r in small)
+
+
+def test_four_block_e2m1_words_copy_in_16_byte_pieces(rows):
+    """At four blocks a step the E2M1 words of a (row, q) are one 16-byte copy; a step
+    offset Triton cannot see is a multiple of four made them four 4-byte copies and the
+    16-row decode tile issued 19 copies a step instead of 7 (Triton 3.6)."""
+    four = [r for r in rows if r["kernel"].startswith("upcast e2m1") and "BLOCKS=4" in r["kernel"]]
+    assert four and all(r["counts"]["narrow_copies"] <= 1 for r in four), four
