@@ -305,6 +305,8 @@ def main() -> None:
         _upcast("e4m3", False, 256, 2),
         _upcast("e4m3", True, 16, 2),
         _upcast("e4m3", True, 32, 2),
+        _upcast("e4m3", True, 16, 4),
+        _upcast("e4m3", True, 64, 4),
         _upcast("e4m3", True, 128, 2),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),

@@ -253,18 +253,24 @@ def _default(name, op, arch, m, groups):
 
 
 @pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])
-def test_e4m3_weights_decode_at_most_two_blocks_a_step_on_sm90(mean_rows, monkeypatch):
-    """Four E4M3 blocks a step send the decoded weight through shared memory (Triton 3.6,
-    ``launch.E4M3_MAX_BLOCKS``): neither the default nor a tuning candidate has them, while
-    E2M1 keeps its four-block tiles."""
+def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows, monkeypatch):
+    """Four E4M3 blocks a step read one word a load send the decoded weight through shared
+    memory, and 128-row tiles spill with them (Triton 3.6, ``launch.e4m3_max_blocks``):
+    neither the default nor a tuning candidate has them; the paired 4-warp decode tiles of
+    up to 64 rows keep E2M1's four blocks."""
     monkeypatch.setattr(launch, "interpreted", lambda: False)
     m, groups = mean_rows * 32, 32
     e4m3 = BACKENDS["triton_mxfp8"]().configs(_described("triton_mxfp8", "fwd", "sm_90", m=m, groups=groups))
-    assert {c["blocks"] for c in e4m3} == {launch.E4M3_MAX_BLOCKS} == {2}
+    for c in e4m3:
+        paired = launch.paired_words("e4m3", c["blocks"], c["warps"], c["bn"])
+        assert c["blocks"] == 2 or (paired and c["bm"] <= 64), c
     e2m1 = launch.upcast_config(m, groups, "e2m1")
     default = launch.upcast_config(m, groups, "e4m3")
-    assert default == dataclasses.replace(e2m1, blocks=min(e2m1.blocks, 2))
+    four = e2m1.warps == 4 and e2m1.bn == 128 and e2m1.bm <= 64
+    assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2))
     assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)
+    if mean_rows <= 48:
+        assert default.blocks == 4  # the decode tiles
     if e2m1.bm >= 128:  # the one-warpgroup 128 x 128 tile, two a SM, is the default or offered
         candidates = launch.upcast_configs(m, groups, "e4m3")
         assert any((c.bm, c.bn, c.warps, c.per_sm) == (128, 128, 4, 2) for c in candidates)

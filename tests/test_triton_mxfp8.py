@@ -316,12 +316,12 @@ def test_folded_scale_multiply_matches(gen):
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("blocks", "warps"), [(2, 4), (2, 8), (4, 4)])
+@pytest.mark.parametrize(("blocks", "warps"), [(2, 4), (2, 8), (4, 4), (4, 8)])
 def test_upcast_contraction_steps(blocks, warps, gen):
-    """Every way the upcast kernel reads E4M3 words, against float64, K = 192: 64-element
-    steps as 16-byte pairs (4 warps, ``launch.paired_words``) or one word per load (8
-    warps), also starting in the middle of a 128-run; 128-element steps read the layout's
-    zero padding."""
+    """Every way the upcast kernel reads E4M3 words, against float64, K = 192: 64- and
+    128-element steps as 16-byte pairs (4 warps, ``launch.paired_words``) or one word per
+    load (8 warps); 64-element steps also start in the middle of a 128-run, 128-element
+    ones read the layout's zero padding."""
     splits = [3, 0, 29]
     n, k = 96, 192
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)

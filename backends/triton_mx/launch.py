@@ -130,21 +130,24 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     return _upcast_default(m, groups, w_fmt)
 
 
-#: Most 32-blocks one contraction step of E4M3 weights may decode. With four, Triton 3.6
-#: leaves the decoded bf16 in the int64 words' load layout and moves it into wgmma's
-#: operand layout through shared memory (16 ``STSM`` + 16 ``LDSM`` and ~30 barriers per
-#: step in the sm_90 SASS; E2M1 words, and E4M3 at two blocks, have none:
-#: benchmarks/triton_mx_compile.py checks).
-E4M3_MAX_BLOCKS = 2
+def e4m3_max_blocks(bm: int, warps: int, bn: int) -> int:
+    """Most 32-blocks one contraction step of E4M3 weights may decode on a tile (sm_90 SASS
+    under Triton 3.6, benchmarks/triton_mx_compile.py). Four where the words load in pairs
+    (``paired_words``) and the tile has at most 64 token rows: 451 instructions a 128-element
+    step on the 16-row tile against 536 for two two-block steps, no shared-memory round trip
+    (128 rows spill). Elsewhere two: four one-word loads leave the decoded bf16 in the int64
+    words' load layout, moved into wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM``
+    and ~30 barriers a step)."""
+    return 4 if warps == 4 and bn == 128 and bm <= 64 else 2
 
 
 def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
-    """Whether the upcast kernel loads a step's E4M3 words as one (row, 8) tile of 16-byte
-    pairs (``PAIRED``): fewer load instructions (sm_90 SASS of the 16-row tile: 268 instead
-    of 290 a step), but Triton 3.6 keeps that load in wgmma's layout only on 4-warp tiles
-    of 128 weight rows; on 8-warp or 64-row ones it converted the decoded tile through
-    shared memory (sm_90 compiles)."""
-    return w_fmt == "e4m3" and blocks == 2 and warps == 4 and bn == 128
+    """Whether the upcast kernel loads a step's E4M3 words as (row, 8) tiles of 16-byte
+    pairs (``PAIRED``; one tile a two-block half of the step): fewer load instructions
+    (sm_90 SASS of the 16-row tile at two blocks: 268 instead of 290 a step), but Triton 3.6
+    keeps that load in wgmma's layout only on 4-warp tiles of 128 weight rows; on 8-warp or
+    64-row ones it converted the decoded tile through shared memory (sm_90 compiles)."""
+    return w_fmt == "e4m3" and warps == 4 and bn == 128
 
 
 #: 128 x 128 tiles of one warpgroup, two programs per SM and four stages each: 250 registers
@@ -156,9 +159,13 @@ TWO_PROGRAM_TILE = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per
 
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
-    if w_fmt == "e4m3" and config.blocks > E4M3_MAX_BLOCKS:
-        return dataclasses.replace(config, blocks=E4M3_MAX_BLOCKS)
+    if w_fmt == "e4m3":
+        return dataclasses.replace(config, blocks=min(config.blocks, _e4m3_max_blocks(config)))
     return config
+
+
+def _e4m3_max_blocks(config: UpcastConfig) -> int:
+    return e4m3_max_blocks(config.bm, config.warps, config.bn)
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -166,8 +173,11 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     if mean_rows <= 8:
         return UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
     if mean_rows <= 32:
-        # 32-row tiles: a skewed split's large groups decode each weight tile half as often.
-        return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2)
+        # 32-row tiles: a skewed split's large groups decode each weight tile half as often
+        # (dsv3 decode, E2M1, kernel alone on the H200: skewed 2.47x the peer against 2.00x
+        # with 16-row tiles; balanced 2.97x against 3.44x). Three stages: 2.97x / 2.47x
+        # against 2.84x / 2.35x with four, in the same run.
+        return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=3, per_sm=2)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
@@ -666,14 +676,13 @@ def grouped_configs(m: int, groups: int) -> list[GroupedConfig]:
 
 def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfig]:
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
-    weight format (E4M3: at most ``E4M3_MAX_BLOCKS`` a step)."""
+    weight format (E4M3: at most ``e4m3_max_blocks`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
-    blocks = tuple(b for b in (2, 4) if w_fmt != "e4m3" or b <= E4M3_MAX_BLOCKS)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": blocks}
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4)}
     space = _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
     if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
-    return space
+    return [c for c in space if w_fmt != "e4m3" or c.blocks <= _e4m3_max_blocks(c)]
 
 
 def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:

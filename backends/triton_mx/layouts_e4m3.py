@@ -6,10 +6,11 @@ contraction zero-padded to 128, scales (G, Kp/128, rows) int32, run-major words)
 the eight elements one thread holds of a 32-block in wgmma's register fragment (elements
 ``32b + 8j + 2q + h``, j in 0..3, h in 0..1, for ``q = lane % 4``) fill one int64, element
 ``8j + 2q + h`` at byte ``2j + h``. Word order within a run: ``8 * (b // 2) + 2q + b % 2``
-(``word_index``), not E2M1's ``4q + b``: the kernel decodes E4M3 two blocks a step
-(``launch.E4M3_MAX_BLOCKS``), and this order gives each step whole 32-byte sectors of a
-row (words 0-7, then 8-15), where ``4q + b`` would give it half of each sector and every
-sector would be fetched twice. Only the word positions differ from E2M1: the decode is
+(``word_index``), not E2M1's ``4q + b``: the kernel decodes E4M3 two blocks a step on
+most tiles (``launch.e4m3_max_blocks``), and this order gives each step whole 32-byte
+sectors of a row (words 0-7, then 8-15), where ``4q + b`` would give it half of each
+sector and every sector would be fetched twice; a four-block step reads both halves, each
+thread its two 16-byte pairs. Only the word positions differ from E2M1: the decode is
 ``decode.e4m3_words_to_bf16``.
 
 NaN codes (0x7F, 0xFF): the sm_90 decode has no select for them, so the builder gives every

@@ -100,11 +100,17 @@ def _step(
         cols = run + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
         words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
     elif PAIRED:
-        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): this step's eight words from
+        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): a two-block step's eight words from
         # 4 * first, loaded as one contiguous (row, 8) tile (a 16-byte pair per thread) and
         # split into (q, b % 2) after: Triton's load layout is then wgmma's on 4-warp tiles.
-        cols = run + 4 * first + tl.arange(0, 8)[None, :]
-        words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
+        # A four-block step loads both halves of the run so, as (row, b // 2, 8).
+        if BLOCKS == 2:
+            cols = run + 4 * first + tl.arange(0, 8)[None, :]
+            words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
+        else:
+            cols = run + 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
+            words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
+            words = words.reshape(rows, 2, 4, 2).permute(0, 2, 1, 3).reshape(rows, 4, 4)  # row, q, block
     elif BLOCKS == 2:
         # The same words one per load: written (k % 128) // 8, 4 * first has no alignment
         # Triton 3.6 can prove, and a vectorized pair load made its layout pass convert the
