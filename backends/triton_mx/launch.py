@@ -133,7 +133,7 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
 def e4m3_max_blocks(bm: int, warps: int, bn: int) -> int:
     """Most 32-blocks one contraction step of E4M3 weights may decode on a tile (sm_90 SASS
     under Triton 3.6, benchmarks/triton_mx_compile.py). Four where the words load in pairs
-    (``paired_words``) and the tile has at most 64 token rows: 451 instructions a 128-element
+    (``paired_words``) and the tile has at most 64 token rows: 448 instructions a 128-element
     step on the 16-row tile against 536 for two two-block steps, no shared-memory round trip
     (128 rows spill). Elsewhere two: four one-word loads leave the decoded bf16 in the int64
     words' load layout, moved into wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM``

@@ -103,14 +103,12 @@ def _step(
         # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): a two-block step's eight words from
         # 4 * first, loaded as one contiguous (row, 8) tile (a 16-byte pair per thread) and
         # split into (q, b % 2) after: Triton's load layout is then wgmma's on 4-warp tiles.
-        # A four-block step loads both halves of the run so, as (row, b // 2, 8).
-        if BLOCKS == 2:
-            cols = run + 4 * first + tl.arange(0, 8)[None, :]
-            words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
-        else:
-            cols = run + 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
-            words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
-            words = words.reshape(rows, 2, 4, 2).permute(0, 2, 1, 3).reshape(rows, 4, 4)  # row, q, block
+        # A four-block step loads both halves of the run so, as two such tiles: one
+        # (row, 16) tile split in registers went through shared memory under Triton 3.7.1.
+        cols = run + 4 * first + tl.arange(0, 8)[None, :]
+        words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
+        if BLOCKS == 4:
+            high = tl.load(w_rows[:, None] + cols + 8, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
     elif BLOCKS == 2:
         # The same words one per load: written (k % 128) // 8, 4 * first has no alignment
         # Triton 3.6 can prove, and a vectorized pair load made its layout pass convert the
@@ -126,9 +124,13 @@ def _step(
         w0, w1 = tl.split(words)
         w = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
     else:
-        w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
-        w0, w2 = tl.split(w02)
-        w1, w3 = tl.split(w13)
+        if W_FMT == "e4m3" and PAIRED:
+            w0, w1 = tl.split(words)
+            w2, w3 = tl.split(high)
+        else:
+            w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
+            w0, w2 = tl.split(w02)
+            w1, w3 = tl.split(w13)
         w01 = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
         w = _concat_k(
             w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD, W_FMT), _block(w3, run_scales, 3, PTX, FOLD, W_FMT))
