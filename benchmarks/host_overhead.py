@@ -43,6 +43,7 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
     offs = torch.cumsum(dev32, 0, dtype=torch.int32)
     wt = w.transpose(-2, -1)
     w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
+    w_e4m3 = gg.quantize_mx_weight(w, "e4m3", op="fwd")
     offs_dev = gg.offsets(dev32)  # built once, reused by every call (one per step in a model)
     offs_host = gg.offsets(host, device=device)
     peer = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
@@ -57,6 +58,9 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
         "gg a16w4 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="a16w4"),
         "gg a16w4 (bf16 w), device splits": lambda: gg.grouped_gemm(x, w, dev32, recipe="a16w4"),
         "gg bf16 multistream, host splits": lambda: gg.grouped_gemm(x, w, host, backend="multistream"),
+        # The MX recipes that quantize the bf16 activations per call (one more launch).
+        "gg mxfp4 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="mxfp4"),
+        "gg mxfp8 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_e4m3, dev32, recipe="mxfp8"),
     }
     for name in [n for n in variants if "a16w4" in n]:
         variants[f"{name}, Triton launch path"] = _through_triton_path(variants[name])
