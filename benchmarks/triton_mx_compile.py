@@ -40,10 +40,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launch import paired_words
+from grouped_gemm.backends.triton_mx.launch import paired_words, upcast_config
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
+
+#: The E2M1 decode tile (four rows a group), three programs a SM under a register cap.
+DECODE_TILE = upcast_config(128, 32, "e2m1")
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),
@@ -52,16 +55,25 @@ TARGETS = {
 }
 
 
-def _compile(kernel, pointers: dict[str, str], const: dict, target: GPUTarget, warps: int, stages: int):
+def _compile(
+    kernel,
+    pointers: dict[str, str],
+    const: dict,
+    target: GPUTarget,
+    warps: int,
+    stages: int,
+    maxnreg: int | None = None,
+):
     sig = {n: "i32" for n in kernel.arg_names}
     sig.update(pointers)
     sig.update({n: "constexpr" for n in const})
     attrs = {
         (i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in const and n != "num_groups"
     }
-    return triton.compile(
-        ASTSource(kernel, sig, const, attrs), target=target, options={"num_warps": warps, "num_stages": stages}
-    )
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=target, options=options)
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -182,7 +194,18 @@ def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
     }
 
 
-def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True, warps: int | None = None) -> dict:
+def _upcast(
+    w_fmt: str,
+    fold: bool,
+    bm: int,
+    blocks: int,
+    ptx: bool = True,
+    warps: int | None = None,
+    stages: int = 4,
+    maxnreg: int | None = None,
+) -> dict:
+    """An upcast tile of 128 weight rows; with ``maxnreg`` (a capped tile) it must also
+    spill nothing."""
     warps = warps or (8 if bm >= 128 else 4)
     c = _compile(
         upcast_grouped_kernel,
@@ -202,13 +225,18 @@ def _upcast(w_fmt: str, fold: bool, bm: int, blocks: int, ptx: bool = True, warp
         ),
         TARGETS["sm_90"],
         warps=warps,
-        stages=4,
+        stages=stages,
+        maxnreg=maxnreg,
     )
     decode = "" if ptx else " portable decode"
     # Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
     # only the step's row scales may come in 4-byte copies (one a thread).
     narrow = 1 if w_fmt == "e2m1" and blocks == 4 else None
-    return _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}", narrow)
+    capped = f" stages={stages} maxnreg={maxnreg}" if maxnreg else ""
+    row = _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}", narrow)
+    if maxnreg:
+        row["ok"] = row["ok"] and row["spills"] == 0
+    return row
 
 
 def _prep(fmt: str, op: str) -> dict:
@@ -310,6 +338,7 @@ def main() -> None:
         _upcast("e4m3", True, 128, 2),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
+        _upcast("e2m1", True, 16, 4, stages=DECODE_TILE.stages, maxnreg=DECODE_TILE.max_registers()),
         _upcast("e2m1", True, 128, 4),
         _upcast("e4m3", True, 128, 2, warps=4),
         _upcast("e2m1", True, 128, 2, warps=4),

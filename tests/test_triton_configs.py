@@ -267,7 +267,8 @@ def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows
     e2m1 = launch.upcast_config(m, groups, "e2m1")
     default = launch.upcast_config(m, groups, "e4m3")
     four = e2m1.warps == 4 and e2m1.bn == 128 and e2m1.bm <= 64
-    assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2))
+    measured = {"stages": 4, "per_sm": 2} if e2m1.per_sm == 3 else {}  # E2M1's 3-a-SM tile: untimed on E4M3
+    assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2), **measured)
     assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)
     if mean_rows <= 48:
         assert default.blocks == 4  # the decode tiles
@@ -351,3 +352,19 @@ def test_the_tuner_times_the_offered_tiles_and_later_calls_use_the_choice(
     monkeypatch.setattr(TritonGroupedBackend, "run_config", lambda self, *a: runs.append(a[2]) or real(self, *a))
     gg.grouped_gemm(x, w, SPLITS, out_dtype=torch.float32)
     assert runs[-1] == decision.config
+
+
+def test_three_programs_a_sm_cap_registers_so_they_fit(monkeypatch):
+    """The E2M1 decode tile runs three programs a SM: its launch caps registers so that all
+    three fit the SM's register file under any Triton (``UpcastConfig.max_registers``);
+    two-program tiles are not capped, and no tuning candidate gets a cap below REGISTERS."""
+    monkeypatch.setattr(launch, "interpreted", lambda: False)
+    decode = launch.upcast_config(4 * 32, 32, "e2m1")
+    assert (decode.bm, decode.per_sm, decode.warps) == (16, 3, 4)
+    cap = decode.max_registers()
+    assert cap is not None and cap % 8 == 0 and 3 * 4 * 32 * cap <= launch.REGISTER_FILE < 3 * 4 * 32 * (cap + 8)
+    assert launch.upcast_config(4 * 32, 32, "e4m3").max_registers() is None  # E4M3 keeps two a SM
+    assert launch.TWO_PROGRAM_TILE.max_registers() is None
+    for config in launch.upcast_configs(4 * 32, 32, "e2m1"):
+        assert config.max_registers() is None or config.max_registers() >= launch.REGISTERS, config
+    assert any(c.per_sm == 3 for c in launch.upcast_configs(4 * 32, 32, "e2m1"))
