@@ -31,6 +31,8 @@ class GroupedInputs:
     result either way. ``m_splits`` is a tuple of ints (immutable: a backend cannot change
     the caller's list) or a 1-D integer tensor. ``_offsets`` caches ``offsets``; validation
     seeds it with the ends of a ``gg.offsets`` result, so no call recomputes them.
+    ``capturing``: whether the call runs under CUDA-graph capture, as validation found it
+    (None: asked of torch where it matters), so the call path asks once.
     """
 
     a: Any
@@ -38,6 +40,7 @@ class GroupedInputs:
     m_splits: tuple[int, ...] | torch.Tensor
     out: Any = None
     _offsets: dict = dataclasses.field(default_factory=dict, repr=False)
+    capturing: bool | None = None
 
     def output(self, problem: Problem) -> Any:
         """Where the result goes: ``out`` when the caller gave one, else a new uninitialized
@@ -72,7 +75,7 @@ class GroupedInputs:
                 splits = splits.to(device)
             ends = group_ends(splits, dtype)
         else:
-            ends = host_ends(splits, device, dtype)
+            ends = host_ends(splits, device, dtype, self.capturing)
         self._offsets[key] = ends
         return ends
 
@@ -92,11 +95,14 @@ def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def host_ends(
+    splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32, capturing: bool | None = None
+) -> torch.Tensor:
     """Cumulative ends of host ``splits`` on ``device``, summed in Python, sent in one copy
-    (none when the same splits were sent on this stream lately, on a GPU)."""
+    (none when the same splits were sent on this stream lately, on a GPU). ``capturing``:
+    whether the current stream is capturing a CUDA graph, if the caller knows already."""
     key = None
-    if device.type == "cuda" and type(splits) is tuple and not torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and type(splits) is tuple and not _capturing(capturing):
         # The raw stream handle: ``torch.cuda.current_stream(device)`` builds a Stream
         # object, ~5 us of host time a call on the H200 host (cProfile, issue 14).
         key = (splits, device, dtype, torch._C._cuda_getCurrentRawStream(_index(device)))
@@ -109,3 +115,7 @@ def host_ends(splits: Sequence[int], device: torch.device, dtype: torch.dtype = 
             _RECENT_ENDS.clear()  # bounded; a step's splits come back on its next call
         _RECENT_ENDS[key] = ends
     return ends
+
+
+def _capturing(known: bool | None) -> bool:
+    return torch.cuda.is_current_stream_capturing() if known is None else known

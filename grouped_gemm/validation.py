@@ -175,6 +175,7 @@ def fwd_or_dgrad(
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
     reg = registry()
     m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = _new_key(
         CallKey,
         (
@@ -195,10 +196,10 @@ def fwd_or_dgrad(
             is_list,
             False,
             a.is_contiguous() and (all_contiguous(w) if is_list else w.is_contiguous()),
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing(),
+            capturing,
         ),
     )
-    return Call(key, m, GroupedInputs(a, w, splits, out, ends_cache(m_splits)))
+    return Call(key, m, GroupedInputs(a, w, splits, out, ends_cache(m_splits), capturing))
 
 
 def wgrad(
@@ -236,6 +237,7 @@ def wgrad(
     out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
     reg = registry()
     m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = _new_key(
         CallKey,
         (
@@ -256,10 +258,10 @@ def wgrad(
             is_list,
             accumulate,
             all_contiguous(dy, x),
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing(),
+            capturing,
         ),
     )
-    return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits)))
+    return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits), capturing))
 
 
 def _operands(a_arg: str, a: Any, w: Any, is_list: bool) -> list[tuple[str, Any]]:
