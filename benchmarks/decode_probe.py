@@ -1,21 +1,24 @@
 """What limits the upcast kernel on decode-like calls: H200 experiments.
 
 On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), balanced
-splits, with E2M1 (default) or E4M3 weights:
+(default) or skewed splits, with E2M1 (default) or E4M3 weights:
 
 - default: times the upcast kernel (default tiles) with its sm_90 PTX decode, with the PTX
   decode without the folded scale (one more bf16x2 multiply per element pair) and with the
   portable decode (more integer instructions per element), all reading the same bytes. If
   the time follows the decode's instruction count, the SMs' instruction issue is the
   limit; if not, the weight stream is.
-- ``--sweep``: times the default tile with 2-block steps (fewer registers), more pipeline
-  stages and more programs per SM, interleaved with ``torch._grouped_mm`` on the same
-  problem. If the time falls as more warps share an SM, waiting is the limit.
+- ``--sweep``: times the default tile against 16-, 32- and 64-row tiles of three and four
+  stages and two and three programs per SM (three capped in registers so that they fit,
+  ``UpcastConfig.max_registers``), and the default with 2-block steps, interleaved with
+  ``torch._grouped_mm`` on the same problem. If the time falls as more warps share an SM,
+  waiting is the limit; the row tiles trade decodes of a skewed split's large groups
+  against work per tile.
 - ``--ncu``: launches the default kernel once, for ``ncu`` to profile.
 
 Run from the repository root::
 
-    python benchmarks/decode_probe.py [--case NAME] [--fmt e4m3] [--sweep | --ncu]
+    python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3] [--sweep | --ncu]
 """
 
 from __future__ import annotations
@@ -56,18 +59,19 @@ def _variants(x, lay, unfolded, splits, out, weight_bytes) -> dict:
 
 
 def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
-    """Blocks a step x stages x programs per SM around the default tile, those whose shared
-    memory fits the SM (``SMEM_BYTES`` for all its programs together), interleaved with
-    the peer."""
+    """Row tiles x stages x programs per SM at the default's blocks a step, and the default
+    at two blocks, those whose shared memory fits the SM (``SMEM_BYTES`` for all its
+    programs together, sized for the weight's format), interleaved with the peer."""
     g, (m, k), n = splits.numel(), x.shape, out.shape[1]
     default = launch.upcast_config(m, g, lay.fmt)
     grid = [
-        dataclasses.replace(default, blocks=b, stages=s, per_sm=p)
-        for b in dict.fromkeys((default.blocks, 2))
-        for s in (4, 6)
-        for p in (2, 3, 4)
+        dataclasses.replace(default, bm=bm, stages=s, per_sm=p) for bm in (16, 32, 64) for s in (3, 4) for p in (2, 3)
     ]
-    configs = list(dict.fromkeys(c for c in [default, *grid] if c.per_sm * c.smem_bytes() <= launch.SMEM_BYTES))
+    grid.append(dataclasses.replace(default, blocks=2))
+    fits = [c for c in [default, *grid] if c.per_sm * c.smem_bytes(lay.fmt) <= launch.SMEM_BYTES]
+    if lay.fmt == "e4m3":  # four E4M3 blocks a step only where launch allows them
+        fits = [c for c in fits if c.blocks <= launch.e4m3_max_blocks(c.bm, c.warps, c.bn)]
+    configs = list(dict.fromkeys(fits))
     w_bf16 = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     times: dict[str, list[float]] = {}
@@ -89,6 +93,7 @@ def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="gptoss120b_gateup_decode", help="a case of moe_shapes.json")
+    parser.add_argument("--splits", choices=("balanced", "skewed"), default="balanced", help="group sizes")
     parser.add_argument("--fmt", choices=("e2m1", "e4m3"), default="e2m1", help="weight format")
     parser.add_argument("--sweep", action="store_true", help="stages x programs per SM, against the peer")
     parser.add_argument("--ncu", action="store_true", help="launch once (for ncu) instead of timing")
@@ -97,7 +102,7 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     (case,) = select_cases(args.case)
-    splits = torch.tensor(case.splits("balanced"), device="cuda", dtype=torch.int32)
+    splits = torch.tensor(case.splits(args.splits), device="cuda", dtype=torch.int32)
     x = torch.randn(case.m, case.k, device="cuda", dtype=torch.bfloat16)
     lay, unfolded = _layouts(args.fmt, case.groups, case.n, case.k)
     out = torch.empty(case.m, case.n, device="cuda", dtype=torch.bfloat16)
@@ -110,7 +115,7 @@ def main() -> int:
         results = _sweep(x, lay, splits, out, weight_bytes)
     else:
         results = _variants(x, lay, unfolded, splits, out, weight_bytes)
-    print(json.dumps({"case": case.name, "fmt": args.fmt, "results": results}))
+    print(json.dumps({"case": case.name, "splits": args.splits, "fmt": args.fmt, "results": results}))
     return 0
 
 

@@ -368,3 +368,12 @@ def test_three_programs_a_sm_cap_registers_so_they_fit(monkeypatch):
     for config in launch.upcast_configs(4 * 32, 32, "e2m1"):
         assert config.max_registers() is None or config.max_registers() >= launch.REGISTERS, config
     assert any(c.per_sm == 3 for c in launch.upcast_configs(4 * 32, 32, "e2m1"))
+
+
+def test_upcast_shared_memory_estimate_follows_the_weight_format():
+    """E2M1 words take half the bytes of E4M3's (16 against 32 a row and 32-block); the
+    format-less estimate is E4M3's, the upper bound tuning checks candidates against."""
+    tile = launch.UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=3)
+    assert tile.smem_bytes() == tile.smem_bytes("e4m3")
+    assert tile.smem_bytes("e4m3") - tile.smem_bytes("e2m1") == tile.stages * tile.bn * tile.blocks * 16
+    assert tile.per_sm * tile.smem_bytes("e2m1") <= launch.SMEM_BYTES < tile.per_sm * tile.smem_bytes("e4m3")

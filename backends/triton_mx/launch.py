@@ -111,10 +111,12 @@ class UpcastConfig:
     stages: int
     per_sm: int
 
-    def smem_bytes(self) -> int:
-        """Shared memory of the pipelined loads: bf16 activations, the weight words (E4M3's
-        int64 words, the larger format: 32 bytes per row and 32-block) and their scales."""
-        return self.stages * (self.bm * 32 * self.blocks * 2 + self.bn * self.blocks * 32 + self.bn * 4)
+    def smem_bytes(self, w_fmt: str = "e4m3") -> int:
+        """Shared memory of the pipelined loads: bf16 activations, the weight words (32
+        bytes per row and 32-block for E4M3, 16 for E2M1; by default E4M3's, the upper bound
+        for either format) and their scales."""
+        word_bytes = 16 if w_fmt == "e2m1" else 32
+        return self.stages * (self.bm * 32 * self.blocks * 2 + self.bn * self.blocks * word_bytes + self.bn * 4)
 
     def registers(self) -> int:
         """32-bit registers a thread holds through the loop: the fp32 accumulator and the
