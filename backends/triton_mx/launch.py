@@ -125,10 +125,10 @@ class UpcastConfig:
 
     def max_registers(self) -> int | None:
         """The register cap (``maxnreg``) under which ``per_sm`` programs fit an SM's 64K
-        registers (a warp's are allocated 256 at a time), from three programs a SM on. The
-        16-row tile takes 160 registers a thread under Triton 3.6 but 171 under 3.9: without
-        the cap a third program would not fit, and a persistent grid sized for three runs
-        its last third after the others have finished."""
+        registers (a warp's are allocated 256 at a time), from three programs a SM on. At
+        four stages the 16-row tile takes 160 registers a thread under Triton 3.6 but 171
+        under 3.9: without the cap a third program would not fit, and a persistent grid
+        sized for three runs its last third after the others have finished."""
         if self.per_sm < 3:
             return None
         return REGISTER_FILE // (self.per_sm * self.warps * 32) // 8 * 8
@@ -148,12 +148,12 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
 
 def e4m3_max_blocks(bm: int, warps: int, bn: int) -> int:
     """Most 32-blocks one contraction step of E4M3 weights may decode on a tile (sm_90 SASS
-    under Triton 3.6, benchmarks/triton_mx_compile.py). Four where the words load in pairs
-    (``paired_words``) and the tile has at most 64 token rows: 448 instructions a 128-element
-    step on the 16-row tile against 536 for two two-block steps, no shared-memory round trip
-    (128 rows spill). Elsewhere two: four one-word loads leave the decoded bf16 in the int64
-    words' load layout, moved into wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM``
-    and ~30 barriers a step)."""
+    under Triton 3.6, 3.7.1 and 3.9, benchmarks/triton_mx_compile.py). Four where the words
+    load in pairs (``paired_words``) and the tile has at most 64 token rows: 448
+    instructions a 128-element step on the 16-row tile (Triton 3.6) against 536 for two
+    two-block steps, no shared-memory round trip (128 rows spill). Elsewhere two: four
+    one-word loads leave the decoded bf16 in the int64 words' load layout, moved into
+    wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM`` and ~30 barriers a step)."""
     return 4 if warps == 4 and bn == 128 and bm <= 64 else 2
 
 
