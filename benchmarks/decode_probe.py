@@ -70,7 +70,7 @@ def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
     grid.append(dataclasses.replace(default, blocks=2))
     fits = [c for c in [default, *grid] if c.per_sm * c.smem_bytes(lay.fmt) <= launch.SMEM_BYTES]
     if lay.fmt == "e4m3":  # four E4M3 blocks a step only where launch allows them
-        fits = [c for c in fits if c.blocks <= launch.e4m3_max_blocks(c.bm, c.warps, c.bn)]
+        fits = [c for c in fits if c.blocks <= launch.e4m3_max_blocks(c)]
     configs = list(dict.fromkeys(fits))
     w_bf16 = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)

@@ -146,7 +146,7 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     return _upcast_default(m, groups, w_fmt)
 
 
-def e4m3_max_blocks(bm: int, warps: int, bn: int) -> int:
+def e4m3_max_blocks(config: UpcastConfig) -> int:
     """Most 32-blocks one contraction step of E4M3 weights may decode on a tile (sm_90 SASS
     under Triton 3.6, 3.7.1 and 3.9, benchmarks/triton_mx_compile.py). Four where the words
     load in pairs (``paired_words``) and the tile has at most 64 token rows: 448
@@ -154,7 +154,7 @@ def e4m3_max_blocks(bm: int, warps: int, bn: int) -> int:
     two-block steps, no shared-memory round trip (128 rows spill). Elsewhere two: four
     one-word loads leave the decoded bf16 in the int64 words' load layout, moved into
     wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM`` and ~30 barriers a step)."""
-    return 4 if warps == 4 and bn == 128 and bm <= 64 else 2
+    return 4 if config.warps == 4 and config.bn == 128 and config.bm <= 64 else 2
 
 
 def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
@@ -180,12 +180,8 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             # E2M1's three-program 16-row tile was not timed on E4M3, whose decode streams
             # its weight at the memory's limit: it keeps the tile it was measured with.
             config = dataclasses.replace(config, stages=4, per_sm=2)
-        return dataclasses.replace(config, blocks=min(config.blocks, _e4m3_max_blocks(config)))
+        return dataclasses.replace(config, blocks=min(config.blocks, e4m3_max_blocks(config)))
     return config
-
-
-def _e4m3_max_blocks(config: UpcastConfig) -> int:
-    return e4m3_max_blocks(config.bm, config.warps, config.bn)
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -710,7 +706,7 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     space = _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
     if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
-    return [c for c in space if w_fmt != "e4m3" or c.blocks <= _e4m3_max_blocks(c)]
+    return [c for c in space if w_fmt != "e4m3" or c.blocks <= e4m3_max_blocks(c)]
 
 
 def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:
