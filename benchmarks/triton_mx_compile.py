@@ -84,9 +84,9 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def _inner_loop(sass: str, modifiers: bool = False) -> list[str]:
-    """Opcodes of the smallest loop (a backward branch's range) that holds an HGMMA; with
-    ``modifiers``, as written (``LDGSTS.E.BYPASS.128``), else their first part (``LDGSTS``)."""
+def _inner_loop(sass: str) -> list[str]:
+    """Opcodes, as written (``LDGSTS.E.BYPASS.128``), of the smallest loop (a backward
+    branch's range) that holds an HGMMA."""
     line = r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?([^;]*);"
     lines = re.findall(line, sass, re.M)
     code = [(int(addr, 16), op, mods, rest) for addr, op, mods, rest in lines]
@@ -97,8 +97,7 @@ def _inner_loop(sass: str, modifiers: bool = False) -> list[str]:
             body = [(o, o + m) for a, o, m, _ in code if int(target[1], 16) <= a <= addr]
             if any(o == "HGMMA" for o, _ in body):
                 loops.append(body)
-    body = min(loops, key=len) if loops else []
-    return [full if modifiers else op for op, full in body]
+    return [full for _, full in min(loops, key=len)] if loops else []
 
 
 def _loop_body(ir: str, op: str) -> tuple[list[str], list[str]]:
@@ -171,9 +170,10 @@ def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
     the most 4-byte ``cp.async`` copies (``LDGSTS.E``) its contraction loop may issue."""
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs, spills = _registers(c)
-    body = _inner_loop(sass)
+    written = _inner_loop(sass)
+    body = [op.split(".")[0] for op in written]
     count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
-    count["narrow_copies"] = _inner_loop(sass, modifiers=True).count("LDGSTS.E")
+    count["narrow_copies"] = written.count("LDGSTS.E")
     pipe = _pipeline(c)
     found = (
         f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
