@@ -36,7 +36,7 @@ def bf16_probe_kernel(
     NUM_PROGS: tl.constexpr,
 ):
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
     total = tl.sum(tiles, 0)
     for t in range(tl.program_id(0), total, NUM_PROGS):
         g, start, count, rm, rn = locate(t, gi, starts, rows, tiles, tile_end, BM, BN)

@@ -14,11 +14,15 @@ On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), 
   ``torch._grouped_mm`` on the same problem. If the time falls as more warps share an SM,
   waiting is the limit; the row tiles trade decodes of a skewed split's large groups
   against work per tile.
+- ``--heights``: times two-height tiles (``UpcastConfig.small``: groups of at most
+  ``small`` rows get ``small``-row tiles, larger ones ``bm``-row tiles) against the
+  one-height 16- and 32-row tiles: a skewed split's large groups decode each weight tile
+  once, while its small groups keep short tiles.
 - ``--ncu``: launches the default kernel once, for ``ncu`` to profile.
 
 Run from the repository root::
 
-    python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3] [--sweep | --ncu]
+    python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3] [--sweep | --heights | --ncu]
 """
 
 from __future__ import annotations
@@ -58,20 +62,46 @@ def _variants(x, lay, unfolded, splits, out, weight_bytes) -> dict:
     return results
 
 
-def _sweep(x, lay, splits, out, weight_bytes, rounds: int = 3) -> dict:
-    """Row tiles x stages x programs per SM at the default's blocks a step, and the default
-    at two blocks, those whose shared memory fits the SM (``SMEM_BYTES`` for all its
-    programs together, sized for the weight's format), interleaved with the peer."""
-    g, (m, k), n = splits.numel(), x.shape, out.shape[1]
-    default = launch.upcast_config(m, g, lay.fmt)
+def _tile_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
+    """16-, 32- and 64-row tiles x 3 / 4 stages x 2 / 3 programs a SM, and the default at
+    two blocks a step."""
     grid = [
         dataclasses.replace(default, bm=bm, stages=s, per_sm=p) for bm in (16, 32, 64) for s in (3, 4) for p in (2, 3)
     ]
-    grid.append(dataclasses.replace(default, blocks=2))
+    return [*grid, dataclasses.replace(default, blocks=2)]
+
+
+def _height_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
+    """Two-height tiles (``UpcastConfig.small``: small groups get ``small``-row tiles, the
+    others ``bm``) at two programs a SM, against the one-height 16- and 32-row tiles."""
+    one = [
+        dataclasses.replace(default, bm=16, small=0, stages=3, per_sm=3),
+        dataclasses.replace(default, bm=16, small=0, stages=4, per_sm=2),
+        dataclasses.replace(default, bm=32, small=0, stages=3, per_sm=2),
+    ]
+    two = [
+        dataclasses.replace(default, bm=bm, small=small, stages=s, per_sm=2)
+        for bm, small in ((32, 16), (64, 16), (64, 32))
+        for s in (3, 4)
+    ]
+    return one + two
+
+
+def _sweep(x, lay, splits, out, weight_bytes, grid: list[launch.UpcastConfig], rounds: int = 3) -> dict:
+    """The default and ``grid``'s tiles whose shared memory fits the SM (``SMEM_BYTES`` for
+    all its programs together, sized for the weight's format), interleaved with the peer."""
+    g, (m, k), n = splits.numel(), x.shape, out.shape[1]
+    default = launch.upcast_config(m, g, lay.fmt)
     fits = [c for c in [default, *grid] if c.per_sm * c.smem_bytes(lay.fmt) <= launch.SMEM_BYTES]
     if lay.fmt == "e4m3":  # four E4M3 blocks a step only where launch allows them
         fits = [c for c in fits if c.blocks <= launch.e4m3_max_blocks(c)]
     configs = list(dict.fromkeys(fits))
+    # Every tile must write what the default writes: poisoned outputs, compared bit for bit.
+    expected = launch.launch_upcast(x, lay, splits, out.fill_(float("nan")), g, default).clone()
+    for c in configs:
+        got = launch.launch_upcast(x, lay, splits, out.fill_(float("nan")), g, c)
+        if not torch.equal(got, expected):
+            print(f"{c}: differs from the default tile (max |diff| {(got - expected).abs().max().item()})")
     w_bf16 = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
     offs = torch.cumsum(splits, 0, dtype=torch.int32)
     times: dict[str, list[float]] = {}
@@ -96,6 +126,7 @@ def main() -> int:
     parser.add_argument("--splits", choices=("balanced", "skewed"), default="balanced", help="group sizes")
     parser.add_argument("--fmt", choices=("e2m1", "e4m3"), default="e2m1", help="weight format")
     parser.add_argument("--sweep", action="store_true", help="stages x programs per SM, against the peer")
+    parser.add_argument("--heights", action="store_true", help="two-height tiles against one-height ones")
     parser.add_argument("--ncu", action="store_true", help="launch once (for ncu) instead of timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -111,8 +142,10 @@ def main() -> int:
         launch.launch_upcast(x, lay, splits, out, case.groups)
         torch.cuda.synchronize()
         return 0
-    if args.sweep:
-        results = _sweep(x, lay, splits, out, weight_bytes)
+    if args.sweep or args.heights:
+        default = launch.upcast_config(case.m, case.groups, args.fmt)
+        grid = _height_grid(default) if args.heights else _tile_grid(default)
+        results = _sweep(x, lay, splits, out, weight_bytes, grid)
     else:
         results = _variants(x, lay, unfolded, splits, out, weight_bytes)
     print(json.dumps({"case": case.name, "splits": args.splits, "fmt": args.fmt, "results": results}))

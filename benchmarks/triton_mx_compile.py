@@ -5,7 +5,8 @@ For each kernel configuration this script reports what the compiled code must sh
 
 - sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode): wgmma (``HGMMA``
   in the SASS; the weight as the register operand, so no ``STS`` / ``STSM`` in the loop:
-  decoded values never pass through shared memory), registers and spills from ptxas;
+  decoded values never pass through shared memory), registers and spills from ptxas; a
+  two-height tile has one contraction loop per height, and each is checked;
 - sm_90 quantize-and-lay-out kernels (both formats, fwd and dgrad tiles): they compile
   and spill nothing (what the interpreter accepts, the compiler can still refuse);
 - sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
@@ -47,6 +48,8 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 
 #: The E2M1 decode tile (four rows a group), three programs a SM under a register cap.
 DECODE_TILE = upcast_config(128, 32, "e2m1")
+#: The two-height decode tiles (16 rows a group on average: 16-row tiles for small groups).
+HEIGHTS_E2M1, HEIGHTS_E4M3 = upcast_config(512, 32, "e2m1"), upcast_config(512, 32, "e4m3")
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),
@@ -84,20 +87,21 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def _inner_loop(sass: str) -> list[str]:
-    """Opcodes, as written (``LDGSTS.E.BYPASS.128``), of the smallest loop (a backward
-    branch's range) that holds an HGMMA."""
+def _contraction_loops(sass: str) -> list[list[str]]:
+    """Opcodes, as written (``LDGSTS.E.BYPASS.128``), of each innermost loop (a backward
+    branch's range holding no other such loop) that holds an HGMMA: one per tile height."""
     line = r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?([^;]*);"
     lines = re.findall(line, sass, re.M)
     code = [(int(addr, 16), op, mods, rest) for addr, op, mods, rest in lines]
-    loops = []
+    spans = []
     for addr, op, _, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target[1], 16) < addr:
             body = [(o, o + m) for a, o, m, _ in code if int(target[1], 16) <= a <= addr]
             if any(o == "HGMMA" for o, _ in body):
-                loops.append(body)
-    return [full for _, full in min(loops, key=len)] if loops else []
+                spans.append((int(target[1], 16), addr, [full for _, full in body]))
+    innermost = [s for s in spans if not any(o is not s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    return [body for _, _, body in innermost]
 
 
 def _loop_body(ir: str, op: str) -> tuple[list[str], list[str]]:
@@ -170,15 +174,20 @@ def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
     the most 4-byte ``cp.async`` copies (``LDGSTS.E``) its contraction loop may issue."""
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs, spills = _registers(c)
-    written = _inner_loop(sass)
-    body = [op.split(".")[0] for op in written]
-    count = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
-    count["narrow_copies"] = written.count("LDGSTS.E")
+    # Every contraction loop (two in a two-height kernel) is held to the checks: the worst
+    # count of each opcode is the row's, and each loop's length is reported.
+    loops = _contraction_loops(sass) or [[]]
+    count = {}
+    for written in loops:
+        body = [op.split(".")[0] for op in written]
+        mine = {op: body.count(op) for op in ("HGMMA", "PRMT", "STS", "STSM", "HMUL2")}
+        mine["narrow_copies"] = written.count("LDGSTS.E")
+        count = {op: max(n, count.get(op, 0)) for op, n in mine.items()}
     pipe = _pipeline(c)
     found = (
-        f"inner loop: {len(body)} instructions, HGMMA {count['HGMMA']}, STS {count['STS']}, "
-        f"STSM {count['STSM']}, PRMT {count['PRMT']}, HMUL2 {count['HMUL2']}, "
-        f"4-byte copies {count['narrow_copies']}"
+        f"inner loop{'s' if len(loops) > 1 else ''}: {' / '.join(str(len(w)) for w in loops)} instructions, "
+        f"HGMMA {count['HGMMA']}, STS {count['STS']}, STSM {count['STSM']}, PRMT {count['PRMT']}, "
+        f"HMUL2 {count['HMUL2']}, 4-byte copies {count['narrow_copies']}"
     )
     narrow_ok = narrow_copies_max is None or count["narrow_copies"] <= narrow_copies_max
     return {
@@ -203,6 +212,7 @@ def _upcast(
     warps: int | None = None,
     stages: int = 4,
     maxnreg: int | None = None,
+    small: int = 0,
 ) -> dict:
     """An upcast tile of 128 weight rows; with ``maxnreg`` (a capped tile) it must also
     spill nothing."""
@@ -212,6 +222,7 @@ def _upcast(
         {"A": "*bf16", "W": "*i64" if w_fmt == "e4m3" else "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"},
         dict(
             BM=bm,
+            SMALL=small,
             BN=128,
             BLOCKS=blocks,
             MAX_G=128,
@@ -233,7 +244,9 @@ def _upcast(
     # only the step's row scales may come in 4-byte copies (one a thread).
     narrow = 1 if w_fmt == "e2m1" and blocks == 4 else None
     capped = f" stages={stages} maxnreg={maxnreg}" if maxnreg else ""
-    row = _sm90_row(c, f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}", narrow)
+    heights = f" SMALL={small} stages={stages}" if small else ""
+    name = f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}{heights}"
+    row = _sm90_row(c, name, narrow)
     if maxnreg:
         row["ok"] = row["ok"] and row["spills"] == 0
     return row
@@ -340,6 +353,8 @@ def main() -> None:
         _upcast("e2m1", True, 16, 4),
         _upcast("e2m1", True, 16, 4, stages=DECODE_TILE.stages, maxnreg=DECODE_TILE.max_registers()),
         _upcast("e2m1", True, 128, 4),
+        _upcast("e2m1", True, 32, 4, stages=HEIGHTS_E2M1.stages, small=HEIGHTS_E2M1.small),
+        _upcast("e4m3", True, 32, 4, stages=HEIGHTS_E4M3.stages, small=HEIGHTS_E4M3.small),
         _upcast("e4m3", True, 128, 2, warps=4),
         _upcast("e2m1", True, 128, 2, warps=4),
         _upcast("e2m1", True, 16, 4, ptx=False),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 import grouped_gemm as gg
-from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, decode, launch, layouts
+from grouped_gemm.backends.triton_mx import TritonMxfp4Backend, decode, launch, layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
@@ -282,6 +282,66 @@ def test_upcast_contraction_steps(blocks, run_major, gen):
     )
     want = ref_fwd(x, w.dequantize(), splits)
     assert sqnr_db(got, want) >= MIN_SQNR
+
+
+#: Group sizes around a two-height schedule's boundary (small = 16 rows): empty groups,
+#: exactly one small tile, one row over it, several large tiles, one group alone.
+HEIGHT_SPLITS = {
+    "boundary": [16, 0, 17, 1, 0, 33],
+    "skewed": [70, 2, 0, 15, 31, 5],
+    "single_group": [17],
+    "all_small": [3, 16, 9],
+}
+
+
+def _two_height_weights(fmt, groups, n, k, gen, device="cpu"):
+    """(weight MXTensor, its upcast layout) in either weight format."""
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), fmt)
+    if fmt == "e4m3":
+        return w, layouts_e4m3.upcast_weight_e4m3(w)
+    return w, layouts.upcast_weight(w)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("splits", list(HEIGHT_SPLITS.values()), ids=list(HEIGHT_SPLITS))
+@pytest.mark.parametrize("bm", [32, 64])
+def test_two_height_tiles_match_float64(bm, splits, fmt, gen):
+    """Groups of at most 16 rows on 16-row tiles, the others on ``bm``-row ones: every row
+    written (poisoned output) and equal to float64 within the bf16 result's rounding."""
+    n, k = 96, 128
+    x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
+    w, lay = _two_height_weights(fmt, len(splits), n, k, gen)
+    config = launch.UpcastConfig(bm=bm, bn=64, blocks=4, warps=4, stages=1, per_sm=1, small=16)
+    out = poison(torch.empty(sum(splits), n))
+    got = launch.launch_upcast(x, lay, torch.tensor(splits, dtype=torch.int32), out, len(splits), config)
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) rows"
+    assert sqnr_db(got, ref_fwd(x, w.dequantize(), splits)) >= MIN_SQNR
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+def test_gpu_two_height_tiles_equal_one_height(fmt, gen):
+    """On the GPU the two-height decode tile writes bit for bit what the one-height 32- and
+    16-row tiles write (each output element sums the same products in the same order)."""
+    device = torch.device("cuda")
+    splits = [*gg.skewed_splits(31, 480), 16, 17, 0]
+    n, k = 256, 1024
+    x = torch.randn(sum(splits), k, generator=gen).to(device, torch.bfloat16)
+    _, lay = _two_height_weights(fmt, len(splits), n, k, gen, device)
+    sizes = torch.tensor(splits, device=device, dtype=torch.int32)
+    tiles = [
+        launch.UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2, small=16),
+        launch.UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=3, per_sm=2),
+        launch.UpcastConfig(bm=16, bn=128, blocks=4, warps=4, stages=4, per_sm=2),
+    ]
+    outs = []
+    for tile in tiles:
+        out = poison(torch.empty(x.shape[0], n, device=device))
+        outs.append(launch.launch_upcast(x, lay, sizes, out, len(splits), tile))
+    assert torch.isfinite(outs[0]).all()
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
 
 
 # ---- eligibility ---------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def grouped_kernel(
     """``NUM_PROGS`` programs walk the tiles of all groups; ``A`` and ``Out`` have unit column
     strides, ``W`` is addressed by group, contraction and output-column strides."""
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:

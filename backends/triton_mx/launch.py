@@ -102,7 +102,8 @@ def ptx_decode(device: torch.device) -> bool:
 @dataclasses.dataclass(frozen=True)
 class UpcastConfig:
     """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 32-blocks per
-    contraction step (2 or 4), warps, pipeline stages, programs per SM."""
+    contraction step (2 or 4), warps, pipeline stages, programs per SM, and the row height
+    of groups of at most ``small`` rows (0: every group gets ``bm``-row tiles)."""
 
     bm: int
     bn: int
@@ -110,6 +111,11 @@ class UpcastConfig:
     warps: int
     stages: int
     per_sm: int
+    small: int = 0
+
+    def heights_ok(self) -> bool:
+        """Whether the small-group height is off or below ``bm``."""
+        return self.small < self.bm
 
     def smem_bytes(self, w_fmt: str = "e4m3") -> int:
         """Shared memory of the pipelined loads: bf16 activations, the weight words (32
@@ -180,6 +186,11 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             # E2M1's three-program 16-row tile was not timed on E4M3, whose decode streams
             # its weight at the memory's limit: it keeps the tile it was measured with.
             config = dataclasses.replace(config, stages=4, per_sm=2)
+        elif config.small:
+            # The two-height tile at three stages (dsv3 decode, E4M3, two runs): balanced
+            # 2.28-2.40x against 2.21-2.27x for the 32-row tile alone, skewed 1.95-2.05x
+            # against 1.91-1.92x; at four, 2.26-2.34x and 1.95-1.98x.
+            config = dataclasses.replace(config, stages=3)
         return dataclasses.replace(config, blocks=min(config.blocks, e4m3_max_blocks(config)))
     return config
 
@@ -195,9 +206,10 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     if mean_rows <= 32:
         # 32-row tiles: a skewed split's large groups decode each weight tile half as often
         # (dsv3 decode, E2M1, kernel alone on the H200: skewed 2.47x the peer against 2.00x
-        # with 16-row tiles; balanced 2.97x against 3.44x). Three stages: 2.97x / 2.47x
-        # against 2.84x / 2.35x with four, in the same run.
-        return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=3, per_sm=2)
+        # with 16-row tiles; balanced 2.97x against 3.44x). Groups of at most 16 rows get
+        # 16-row tiles (``small``; four stages): in two runs against the 32-row tile alone,
+        # balanced 3.26-3.29x against 2.93-2.98x, skewed 2.38-2.43x against 2.49-2.52x.
+        return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2, small=16)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
     if mean_rows <= 160:
@@ -237,7 +249,7 @@ def launch_upcast(
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
     m = a.shape[0]
     cfg = config or _upcast_config(m, groups, w.fmt)
-    programs = _persistent_programs(m, groups, cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
+    programs = _persistent_programs(m, groups, cfg.small or cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
     _UPCAST(
         (programs,),
         a,
@@ -256,6 +268,7 @@ def launch_upcast(
         w.rows,
         w.k_red,
         BM=cfg.bm,
+        SMALL=cfg.small,
         BN=cfg.bn,
         BLOCKS=cfg.blocks,
         MAX_G=max_groups_bucket(groups),
@@ -661,8 +674,11 @@ FIELD_RANGES = {
     "warps": (1, 16),
     "stages": (1, 8),
     "per_sm": (1, 8),
+    "small": (16, 128),
 }
-_POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps"})
+#: Fields that may also be 0 (off): ``small``, one row height for every group.
+_MAY_BE_ZERO = frozenset({"small"})
+_POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps", "small"})
 
 AnyConfig = TypeVar("AnyConfig", UpcastConfig, GroupedConfig, ScaledConfig, WgradConfig)
 
@@ -672,10 +688,15 @@ def _fits(config: AnyConfig, default: AnyConfig) -> bool:
     own estimate (a neighbour that only changes stages holds what it holds), and with no
     register cap under ``REGISTERS`` (eight warps at three programs a SM would get 80)."""
     fields = dataclasses.asdict(config)
-    in_range = all(lo <= fields[f] <= hi for f, (lo, hi) in FIELD_RANGES.items() if f in fields)
+    in_range = all(
+        lo <= fields[f] <= hi or (f in _MAY_BE_ZERO and fields[f] == 0)
+        for f, (lo, hi) in FIELD_RANGES.items()
+        if f in fields
+    )
     registers = max(REGISTERS, default.registers())
     cap = getattr(config, "max_registers", lambda: None)()
-    fits = in_range and config.smem_bytes() <= SMEM_BYTES and config.registers() <= registers
+    heights = getattr(config, "heights_ok", lambda: True)()
+    fits = in_range and heights and config.smem_bytes() <= SMEM_BYTES and config.registers() <= registers
     return fits and (cap is None or cap >= REGISTERS)
 
 
@@ -702,7 +723,7 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
     weight format (E4M3: at most ``e4m3_max_blocks`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4)}
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16)}
     space = _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
     if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
@@ -737,13 +758,23 @@ def parse_config(kind: type[AnyConfig], config: Mapping[str, Any] | None) -> Any
     a stored tuning or a caller may hand in any dict. None stays None (the default tiles)."""
     if config is None:
         return None
-    names = [f.name for f in dataclasses.fields(kind)]
-    if not isinstance(config, Mapping) or sorted(config) != sorted(names):
-        raise InvalidArgumentError("config", config, f"a {kind.__name__} dict with exactly the keys {names}")
-    for name in names:
+    fields = dataclasses.fields(kind)
+    names = [f.name for f in fields]
+    required = {f.name for f in fields if f.default is dataclasses.MISSING}
+    if not isinstance(config, Mapping) or not required <= set(config) or not set(config) <= set(names):
+        raise InvalidArgumentError(
+            "config", config, f"a {kind.__name__} dict with the keys {names} (those with defaults may be left out)"
+        )
+    for name in config:
         value, (lo, hi) = config[name], FIELD_RANGES[name]
         pow2 = name in _POWERS_OF_TWO
+        if type(value) is int and value == 0 and name in _MAY_BE_ZERO:
+            continue
         if type(value) is not int or not lo <= value <= hi or (pow2 and value & (value - 1)):
             kind_of = "a power of two" if pow2 else "an integer"
-            raise InvalidArgumentError("config", config, f"{name}={value!r}: {kind_of} from {lo} to {hi}")
-    return kind(**config)
+            zero = "0 or " if name in _MAY_BE_ZERO else ""
+            raise InvalidArgumentError("config", config, f"{name}={value!r}: {zero}{kind_of} from {lo} to {hi}")
+    parsed = kind(**config)
+    if not getattr(parsed, "heights_ok", lambda: True)():
+        raise InvalidArgumentError("config", config, f"small={parsed.small}: 0 or below bm={parsed.bm}")
+    return parsed

@@ -28,7 +28,7 @@ from grouped_gemm.backends.triton_mx.decode import (
     e4m3_words_to_bf16_ptx,
     e8m0_to_bf16x2,
 )
-from grouped_gemm.backends.triton_mx.schedule import group_table, locate
+from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
 from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
 
 
@@ -142,6 +142,39 @@ def _step(
 
 
 @triton.jit
+def _tile(
+    A,
+    stride_am,
+    w_rows,
+    stride_wr,
+    s_rows,
+    stride_sk,
+    Out,
+    stride_om,
+    start,
+    count,
+    row0,
+    rn,
+    n_ok,
+    k_red,
+    ROWS: tl.constexpr,
+    BK: tl.constexpr,
+    config,
+    INTERP: tl.constexpr,
+):
+    """One output tile: ``ROWS`` token rows from ``row0`` of the group (rows from
+    ``start``, ``count`` of them) by the weight rows ``rn``, contracted over ``k_red``."""
+    rm = row0 + tl.arange(0, ROWS)
+    m_ok = rm < count
+    a_rows = A + (start + rm).to(tl.int64) * stride_am
+    acc = tl.zeros((rn.shape[0], ROWS), dtype=tl.float32)
+    tile = (a_rows, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
+    acc = contract(_step, acc, 0, k_red, BK, tile, config, INTERP)
+    out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def upcast_grouped_kernel(
     A,
     stride_am,
@@ -159,6 +192,7 @@ def upcast_grouped_kernel(
     n_out,
     k_red,
     BM: tl.constexpr,
+    SMALL: tl.constexpr,
     BN: tl.constexpr,
     BLOCKS: tl.constexpr,
     MAX_G: tl.constexpr,
@@ -170,21 +204,26 @@ def upcast_grouped_kernel(
     PAIRED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """``NUM_PROGS`` programs walk the tiles of all groups, every ``NUM_PROGS``-th each.
+    With ``SMALL`` set, a group of at most ``SMALL`` rows gets ``SMALL``-row tiles and larger
+    ones ``BM``-row tiles (``schedule.row_height``): small groups do not carry ``BM`` rows
+    of activations, while larger ones decode each weight tile fewer times."""
     BK: tl.constexpr = 32 * BLOCKS
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, SMALL)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
-        g, start, count, rm, rn = locate(t, gi, starts, rows, tiles, tile_end, BM, BN)
-        m_ok = rm < count
+        g, start, count, row0, col = locate_first(t, gi, starts, rows, tiles, tile_end, BM, SMALL)
+        rn = col * BN + tl.arange(0, BN)
         n_ok = rn < n_out
-        a_rows = A + (start + rm).to(tl.int64) * stride_am
         w_rows = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wn
         s_rows = S + g.to(tl.int64) * stride_sg + rn
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        tile = (a_rows, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
-        acc = contract(_step, acc, 0, k_red, BK, tile, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
-        out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        head = (A, stride_am, w_rows, stride_wr, s_rows, stride_sk, Out, stride_om, start, count, row0, rn, n_ok)
+        if SMALL == 0:
+            _tile(*head, k_red, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
+        elif count <= SMALL:
+            _tile(*head, k_red, SMALL, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
+        else:
+            _tile(*head, k_red, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
         t += NUM_PROGS
