@@ -187,9 +187,9 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             # its weight at the memory's limit: it keeps the tile it was measured with.
             config = dataclasses.replace(config, stages=4, per_sm=2)
         elif config.small:
-            # The two-height tile at three stages (dsv3 decode, E4M3, two runs): balanced
-            # 2.28-2.40x against 2.21-2.27x for the 32-row tile alone, skewed 1.95-2.05x
-            # against 1.91-1.92x; at four, 2.26-2.34x and 1.95-1.98x.
+            # The two-height tile at three stages (dsv3 decode, E4M3): balanced 2.40x against
+            # 2.27x for the 32-row tile alone (one run), skewed 1.95-2.05x against 1.92x (two);
+            # at four stages, 2.34x and 1.95-1.98x.
             config = dataclasses.replace(config, stages=3)
         return dataclasses.replace(config, blocks=min(config.blocks, e4m3_max_blocks(config)))
     return config
@@ -208,7 +208,7 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
         # (dsv3 decode, E2M1, kernel alone on the H200: skewed 2.47x the peer against 2.00x
         # with 16-row tiles; balanced 2.97x against 3.44x). Groups of at most 16 rows get
         # 16-row tiles (``small``; four stages): in two runs against the 32-row tile alone,
-        # balanced 3.26-3.29x against 2.93-2.98x, skewed 2.38-2.43x against 2.49-2.52x.
+        # balanced 3.26-3.29x against 2.91-2.98x, skewed 2.38-2.43x against 2.50-2.52x.
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2, small=16)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
