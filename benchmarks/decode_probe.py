@@ -18,11 +18,15 @@ On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), 
   ``small`` rows get ``small``-row tiles, larger ones ``bm``-row tiles) against the
   one-height 16- and 32-row tiles: a skewed split's large groups decode each weight tile
   once, while its small groups keep short tiles.
+- ``--steps``: on compute-bound cases, four 32-blocks a contraction step on the 256- and
+  128-row tiles (8 warps) against the default's two: fewer instructions per element since
+  the E2M1 words copy in 16-byte pieces at four blocks.
 - ``--ncu``: launches the default kernel once, for ``ncu`` to profile.
 
 Run from the repository root::
 
-    python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3] [--sweep | --heights | --ncu]
+    python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3]
+        [--sweep | --heights | --steps | --ncu]
 """
 
 from __future__ import annotations
@@ -87,6 +91,16 @@ def _height_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
     return one + two
 
 
+def _step_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
+    """Compute-bound tiles at four 32-blocks a step (16-byte E2M1 word copies since
+    1e409f2) against the default's two: 256 x 128 and 128 x 128, 8 warps, 2-4 stages."""
+    return [
+        dataclasses.replace(default, bm=bm, bn=128, blocks=4, warps=8, stages=s, per_sm=1)
+        for bm, stages in ((256, (2, 3)), (128, (3, 4)))
+        for s in stages
+    ]
+
+
 def _sweep(x, lay, splits, out, weight_bytes, grid: list[launch.UpcastConfig], rounds: int = 3) -> dict:
     """The default and ``grid``'s tiles whose shared memory fits the SM (``SMEM_BYTES`` for
     all its programs together, sized for the weight's format), interleaved with the peer."""
@@ -127,6 +141,7 @@ def main() -> int:
     parser.add_argument("--fmt", choices=("e2m1", "e4m3"), default="e2m1", help="weight format")
     parser.add_argument("--sweep", action="store_true", help="stages x programs per SM, against the peer")
     parser.add_argument("--heights", action="store_true", help="two-height tiles against one-height ones")
+    parser.add_argument("--steps", action="store_true", help="four-block steps on the compute-bound tiles")
     parser.add_argument("--ncu", action="store_true", help="launch once (for ncu) instead of timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -142,9 +157,10 @@ def main() -> int:
         launch.launch_upcast(x, lay, splits, out, case.groups)
         torch.cuda.synchronize()
         return 0
-    if args.sweep or args.heights:
+    if args.sweep or args.heights or args.steps:
         default = launch.upcast_config(case.m, case.groups, args.fmt)
-        grid = _height_grid(default) if args.heights else _tile_grid(default)
+        grids = {"heights": _height_grid, "steps": _step_grid, "sweep": _tile_grid}
+        grid = next(fn for name, fn in grids.items() if getattr(args, name))(default)
         results = _sweep(x, lay, splits, out, weight_bytes, grid)
     else:
         results = _variants(x, lay, unfolded, splits, out, weight_bytes)
