@@ -48,6 +48,8 @@ from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 
 #: The E2M1 decode tile (four rows a group), three programs a SM under a register cap.
 DECODE_TILE = upcast_config(128, 32, "e2m1")
+#: E2M1's compute-bound tiles (128 and 256 rows, 8 warps, four blocks a step).
+COMPUTE_E2M1 = upcast_config(128 * 512, 128, "e2m1")
 #: The two-height decode tiles (16 rows a group on average: 16-row tiles for small groups).
 HEIGHTS_E2M1, HEIGHTS_E4M3 = upcast_config(512, 32, "e2m1"), upcast_config(512, 32, "e4m3")
 
@@ -352,7 +354,8 @@ def main() -> None:
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
         _upcast("e2m1", True, 16, 4, stages=DECODE_TILE.stages, maxnreg=DECODE_TILE.max_registers()),
-        _upcast("e2m1", True, 128, 4),
+        _upcast("e2m1", True, 128, 4, stages=COMPUTE_E2M1.stages),
+        _upcast("e2m1", True, 256, 4, stages=COMPUTE_E2M1.stages),
         _upcast("e2m1", True, 32, 4, stages=HEIGHTS_E2M1.stages, small=HEIGHTS_E2M1.small),
         _upcast("e4m3", True, 32, 4, stages=HEIGHTS_E4M3.stages, small=HEIGHTS_E4M3.small),
         _upcast("e4m3", True, 128, 2, warps=4),

@@ -182,9 +182,13 @@ TWO_PROGRAM_TILE = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
     if w_fmt == "e4m3":
+        if config.blocks > e4m3_max_blocks(config) and config.warps == 8:
+            # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
+            # send them through shared memory: E4M3 keeps the tiles it was measured with.
+            return TWO_PROGRAM_TILE if m / max(groups, 1) <= 160 else E4M3_COMPUTE_TILE
         if config.per_sm == 3:
-            # E2M1's three-program 16-row tile was not timed on E4M3, whose decode streams
-            # its weight at the memory's limit: it keeps the tile it was measured with.
+            # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
+            # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
             config = dataclasses.replace(config, stages=4, per_sm=2)
         elif config.small:
             # The two-height tile at three stages (dsv3 decode, E4M3): balanced 2.40x against
@@ -193,6 +197,12 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             config = dataclasses.replace(config, stages=3)
         return dataclasses.replace(config, blocks=min(config.blocks, e4m3_max_blocks(config)))
     return config
+
+
+#: E4M3's tile above 160 rows a group: for E4M3 it and the one-warpgroup tile ran within
+#: 1-3 % on pre-quantized weights, and a train step (unfolded scales: two multiplies a
+#: pair) went the other way on qwen3-30B; autotuning is offered both (``upcast_configs``).
+E4M3_COMPUTE_TILE = UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -212,16 +222,16 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
         return UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2, small=16)
     if mean_rows <= 64:
         return UpcastConfig(bm=64, bn=128, blocks=4, warps=4, stages=4, per_sm=1)
+    # Compute-bound tiles: 8 warps, four 32-blocks a contraction step (since 1e409f2 the
+    # E2M1 words copy in 16-byte pieces there: 328 instructions a 128-element step on the
+    # 256-row tile against 2 x 216 at two blocks). Kernel alone on the H200, x the peer, one
+    # run (docs/performance.md): gpt-oss gate-up (128 rows a group) 1.19x on 128 x 128 at
+    # three stages against 0.91x for the one-warpgroup two-block tile; qwen3-30B gate-up
+    # (256) 0.88x on 256 x 128 against 0.78x for its two-block form, dsv3 gate-up (512)
+    # 0.85x against 0.68x; skewed qwen3-30B 0.79x (128 x 128: 0.83x) against 0.71x.
     if mean_rows <= 160:
-        # gpt-oss gate-up (128 rows a group) on the H200, kernel alone, same run: E2M1 422
-        # TFLOP/s against 350 for the 8-warp 128-row tile of four blocks a step; E4M3 443
-        # against 317, its words read in pairs (``paired_words``: 4-warp tiles only).
-        return TWO_PROGRAM_TILE
-    # At 256 and 512 rows the 8-warp 256-row tile stays ahead for E2M1 (496 against 408,
-    # 546 against 431); for E4M3 the two ran within 1-3 % on pre-quantized weights, and a
-    # train step (unfolded scales: two multiplies a pair) went the other way on qwen3-30B,
-    # so this stays the default and autotuning is offered both (``upcast_configs``).
-    return UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
+        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
+    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
 
 
 _Config = TypeVar("_Config")
@@ -683,7 +693,7 @@ _POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps", "small"})
 AnyConfig = TypeVar("AnyConfig", UpcastConfig, GroupedConfig, ScaledConfig, WgradConfig)
 
 
-def _fits(config: AnyConfig, default: AnyConfig) -> bool:
+def _fits(config: AnyConfig, default: AnyConfig, smem: Callable[[Any], int] | None = None) -> bool:
     """Within ``FIELD_RANGES`` and ``SMEM_BYTES``, within ``REGISTERS`` or the default's
     own estimate (a neighbour that only changes stages holds what it holds), and with no
     register cap under ``REGISTERS`` (eight warps at three programs a SM would get 80)."""
@@ -696,18 +706,22 @@ def _fits(config: AnyConfig, default: AnyConfig) -> bool:
     registers = max(REGISTERS, default.registers())
     cap = getattr(config, "max_registers", lambda: None)()
     heights = getattr(config, "heights_ok", lambda: True)()
-    fits = in_range and heights and config.smem_bytes() <= SMEM_BYTES and config.registers() <= registers
+    smem_bytes = smem(config) if smem else config.smem_bytes()
+    fits = in_range and heights and smem_bytes <= SMEM_BYTES and config.registers() <= registers
     return fits and (cap is None or cap >= REGISTERS)
 
 
-def _neighbours(default: AnyConfig, moves: dict[str, tuple[int, ...]]) -> list[AnyConfig]:
+def _neighbours(
+    default: AnyConfig, moves: dict[str, tuple[int, ...]], smem: Callable[[Any], int] | None = None
+) -> list[AnyConfig]:
     """``default``, then each config that sets one field to one of its ``moves`` (in
-    order), those that fit (``_fits``), without repeats."""
+    order), those that fit (``_fits``, shared memory by ``smem`` where given), without
+    repeats."""
     space = [default]
     for name, values in moves.items():
         for value in values:
             config = dataclasses.replace(default, **{name: value})
-            if config not in space and _fits(config, default):
+            if config not in space and _fits(config, default, smem):
                 space.append(config)
     return space
 
@@ -724,7 +738,9 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     weight format (E4M3: at most ``e4m3_max_blocks`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
     moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16)}
-    space = _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
+    space = _neighbours(
+        d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)}, lambda c: c.smem_bytes(w_fmt)
+    )
     if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
     return [c for c in space if w_fmt != "e4m3" or c.blocks <= e4m3_max_blocks(c)]
