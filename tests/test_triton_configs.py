@@ -222,6 +222,24 @@ def test_a_bad_config_names_config_and_what_is_allowed(name, change, match, gen)
 # ---- configs(problem) --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("small", "match"),
+    [(8, "small=8: 0 or a power of two from 16 to 128"), (24, "small=24: 0 or a power of two"), (32, "below bm=32")],
+)
+def test_a_bad_small_height_is_refused(small, match):
+    """``small`` is 0 (one row height) or a power of two of at least 16 below ``bm``."""
+    config = dataclasses.asdict(launch.UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=3, per_sm=2))
+    with pytest.raises(InvalidArgumentError, match=r"^config=.*" + match):
+        launch.parse_config(launch.UpcastConfig, {**config, "small": small})
+
+
+def test_a_stored_tuning_without_small_still_parses():
+    """Tunings stored before ``small`` existed name the other fields only: one row height."""
+    config = dataclasses.asdict(launch.UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=3, per_sm=2))
+    del config["small"]
+    assert launch.parse_config(launch.UpcastConfig, config).small == 0
+
+
 BACKENDS = {
     "triton_grouped": TritonGroupedBackend,
     "triton_mxfp4": TritonMxfp4Backend,
