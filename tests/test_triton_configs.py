@@ -290,7 +290,7 @@ def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows
     measured = {"stages": 3} if e2m1.small else measured  # the two-height tile's own measured stages
     if e2m1.warps == 8:  # E2M1's four-block compute tiles: E4M3 keeps its two-block ones
         assert e2m1.blocks == 4 and default.blocks == 2
-        assert default in (launch.TWO_PROGRAM_TILE, launch.E4M3_COMPUTE_TILE)
+        assert default in (launch.TWO_PROGRAM_TILE, launch.TWO_BLOCK_TILE)
     else:
         assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2), **measured)
     assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)

@@ -185,7 +185,7 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
         if config.blocks > e4m3_max_blocks(config) and config.warps == 8:
             # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
             # send them through shared memory: E4M3 keeps the tiles it was measured with.
-            return TWO_PROGRAM_TILE if m / max(groups, 1) <= 160 else E4M3_COMPUTE_TILE
+            return TWO_PROGRAM_TILE if config.bm == 128 else TWO_BLOCK_TILE
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
@@ -199,10 +199,11 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     return config
 
 
-#: E4M3's tile above 160 rows a group: for E4M3 it and the one-warpgroup tile ran within
-#: 1-3 % on pre-quantized weights, and a train step (unfolded scales: two multiplies a
-#: pair) went the other way on qwen3-30B; autotuning is offered both (``upcast_configs``).
-E4M3_COMPUTE_TILE = UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
+#: The 256 x 128 tile of two blocks a step: E4M3's above 160 rows a group (for E4M3 it and
+#: the one-warpgroup tile ran within 1-3 % on pre-quantized weights, and a train step went
+#: the other way on qwen3-30B), E2M1's until its four-block steps; offered to autotuning
+#: beside E2M1's four-block default, which lost to it on some dgrad problems (one run).
+TWO_BLOCK_TILE = UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
 def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
@@ -743,6 +744,8 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     )
     if d.bm >= 128 and TWO_PROGRAM_TILE not in space:
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
+    if d.bm == 256 and TWO_BLOCK_TILE not in space:
+        space.append(TWO_BLOCK_TILE)  # two moves (blocks, stages) from E2M1's default
     return [c for c in space if w_fmt != "e4m3" or c.blocks <= e4m3_max_blocks(c)]
 
 
