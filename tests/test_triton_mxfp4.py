@@ -323,12 +323,13 @@ def test_two_height_tiles_match_float64(bm, splits, fmt, gen):
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 def test_gpu_two_height_tiles_equal_one_height(fmt, gen):
     """On the GPU the two-height decode tile writes bit for bit what the one-height 32- and
-    16-row tiles write (each output element sums the same products in the same order)."""
+    16-row tiles write (each output element sums the same products in the same order), and
+    matches float64."""
     device = torch.device("cuda")
     splits = [*gg.skewed_splits(31, 480), 16, 17, 0]
     n, k = 256, 1024
     x = torch.randn(sum(splits), k, generator=gen).to(device, torch.bfloat16)
-    _, lay = _two_height_weights(fmt, len(splits), n, k, gen, device)
+    w, lay = _two_height_weights(fmt, len(splits), n, k, gen, device)
     sizes = torch.tensor(splits, device=device, dtype=torch.int32)
     tiles = [
         launch.UpcastConfig(bm=32, bn=128, blocks=4, warps=4, stages=4, per_sm=2, small=16),
@@ -340,6 +341,7 @@ def test_gpu_two_height_tiles_equal_one_height(fmt, gen):
         out = poison(torch.empty(x.shape[0], n, device=device))
         outs.append(launch.launch_upcast(x, lay, sizes, out, len(splits), tile))
     assert torch.isfinite(outs[0]).all()
+    assert sqnr_db(outs[0].cpu(), ref_fwd(x.cpu(), w.dequantize().cpu(), splits)) >= MIN_SQNR
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
 
