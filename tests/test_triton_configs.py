@@ -286,7 +286,7 @@ def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows
     e2m1 = launch.upcast_config(m, groups, "e2m1")
     default = launch.upcast_config(m, groups, "e4m3")
     four = e2m1.warps == 4 and e2m1.bn == 128 and e2m1.bm <= 64
-    measured = {"stages": 4, "per_sm": 2} if e2m1.per_sm == 3 else {}  # E2M1's 3-a-SM tile: untimed on E4M3
+    measured = {"stages": 4, "per_sm": 2} if e2m1.per_sm == 3 else {}  # E2M1's 3-a-SM tile lost on E4M3
     measured = {"stages": 3} if e2m1.small else measured  # the two-height tile's own measured stages
     if e2m1.warps == 8:  # E2M1's four-block compute tiles: E4M3 keeps its two-block ones
         assert e2m1.blocks == 4 and default.blocks == 2

@@ -3,9 +3,10 @@
 Configurations are picked from shapes known on the host (M, G, N, K): never from the split
 sizes, which may live on the device. ``mean rows per group`` (M / G) picks the row tile:
 decode-like calls (a few tokens per expert) get 16-32-row tiles and several programs per
-SM so enough weight bytes are in flight; 65-160 rows get 128 x 128 tiles of one
-warpgroup, two programs per SM; larger groups get 256 x 128 tiles. Measured
-choices and their reasons: docs/notes/triton_mxfp4.md.
+SM so enough weight bytes are in flight; 65-160 rows get 128 x 128 tiles and larger
+groups 256 x 128 tiles (E2M1: 8 warps, four 32-blocks a step; E4M3: two blocks, one
+warpgroup at two programs per SM up to 160 rows). Measured choices and their reasons:
+docs/notes/triton_mxfp4.md.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ TWO_PROGRAM_TILE = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
     if w_fmt == "e4m3":
-        if config.blocks > e4m3_max_blocks(config) and config.warps == 8:
+        if config.blocks > e4m3_max_blocks(config):
             # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
             # send them through shared memory: E4M3 keeps the tiles it was measured with.
             return TWO_PROGRAM_TILE if config.bm == 128 else TWO_BLOCK_TILE
@@ -694,16 +695,18 @@ _POWERS_OF_TWO = frozenset({"bm", "bn", "bk", "bt", "blocks", "warps", "small"})
 AnyConfig = TypeVar("AnyConfig", UpcastConfig, GroupedConfig, ScaledConfig, WgradConfig)
 
 
+def _in_range(name: str, value: int) -> bool:
+    """Whether ``value`` is within ``FIELD_RANGES[name]``, or 0 for a field that may be off."""
+    lo, hi = FIELD_RANGES[name]
+    return lo <= value <= hi or (name in _MAY_BE_ZERO and value == 0)
+
+
 def _fits(config: AnyConfig, default: AnyConfig, smem: Callable[[Any], int] | None = None) -> bool:
     """Within ``FIELD_RANGES`` and ``SMEM_BYTES``, within ``REGISTERS`` or the default's
-    own estimate (a neighbour that only changes stages holds what it holds), and with no
-    register cap under ``REGISTERS`` (eight warps at three programs a SM would get 80)."""
-    fields = dataclasses.asdict(config)
-    in_range = all(
-        lo <= fields[f] <= hi or (f in _MAY_BE_ZERO and fields[f] == 0)
-        for f, (lo, hi) in FIELD_RANGES.items()
-        if f in fields
-    )
+    own estimate (a neighbour that only changes stages holds what it holds), with no
+    register cap under ``REGISTERS`` (eight warps at three programs a SM would get 80), and
+    a small-group height below ``bm``."""
+    in_range = all(_in_range(f, v) for f, v in dataclasses.asdict(config).items())
     registers = max(REGISTERS, default.registers())
     cap = getattr(config, "max_registers", lambda: None)()
     heights = getattr(config, "heights_ok", lambda: True)()
@@ -784,12 +787,9 @@ def parse_config(kind: type[AnyConfig], config: Mapping[str, Any] | None) -> Any
         raise InvalidArgumentError(
             "config", config, f"a {kind.__name__} dict with the keys {names} (those with defaults may be left out)"
         )
-    for name in config:
-        value, (lo, hi) = config[name], FIELD_RANGES[name]
-        pow2 = name in _POWERS_OF_TWO
-        if type(value) is int and value == 0 and name in _MAY_BE_ZERO:
-            continue
-        if type(value) is not int or not lo <= value <= hi or (pow2 and value & (value - 1)):
+    for name, value in config.items():
+        (lo, hi), pow2 = FIELD_RANGES[name], name in _POWERS_OF_TWO
+        if type(value) is not int or not _in_range(name, value) or (pow2 and value & (value - 1)):
             kind_of = "a power of two" if pow2 else "an integer"
             zero = "0 or " if name in _MAY_BE_ZERO else ""
             raise InvalidArgumentError("config", config, f"{name}={value!r}: {zero}{kind_of} from {lo} to {hi}")
