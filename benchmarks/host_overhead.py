@@ -7,7 +7,8 @@ rounds), and one call of each is run under the profiler to count the kernels it 
 The Triton routes run twice, with grouped_gemm's cached launcher and through Triton's own
 ``kernel[grid]`` path (``GROUPED_GEMM_TRITON_LAUNCHER=triton``), interleaved in one run.
 ``--profile`` then runs each variant under cProfile for ``--calls`` calls and writes the 25
-functions with the most own time to ``DIR/profile/<variant>.txt``: where the host time goes.
+functions with the most own time and the 40 with the most cumulative time to
+``DIR/profile/<variant>.txt``: where the host time goes.
 
     python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR] [--profile]
 """
@@ -99,14 +100,17 @@ def _kernels(fn: Callable[[], object]) -> int:
 
 
 def _profile(fn: Callable[[], object], calls: int, path: pathlib.Path) -> None:
-    """The 25 functions with the most own time (tottime) over ``calls`` calls of ``fn``."""
+    """The 25 functions with the most own time (tottime), then the 40 with the most time
+    under them (cumulative: which step of the call path costs what), over ``calls`` calls."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
         fn()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
     path.write_text(text.getvalue())
 
 
