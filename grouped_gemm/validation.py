@@ -157,10 +157,10 @@ def fwd_or_dgrad(
         w, groups, n, k, is_list = check_grouped_matrices(w, "w")
         w0 = w[0] if is_list else w
     b_format = w0.dtype if isinstance(w0, torch.Tensor) else mx_format(w0)
-    if type(a_format) is not torch.dtype or type(b_format) is not torch.dtype:
-        check_operand_kind([(name, t) for name, t in _operands(a_arg, a, w, is_list) if isinstance(t, torch.Tensor)])
-    elif a.requires_grad or w0.requires_grad or a.layout is not _STRIDED or w0.layout is not _STRIDED:
-        check_operand_kind(_operands(a_arg, a, w, is_list))
+    if is_list:  # every group's weight: a later one may require grad or be sparse
+        check_operand_kind([(name, t) for name, t in _operands(a_arg, a, w, True) if isinstance(t, torch.Tensor)])
+    elif _unusual(a) or _unusual(w0):  # an MXTensor is neither; one plain test each on the hot path
+        check_operand_kind([(name, t) for name, t in ((a_arg, a), ("w", w0)) if isinstance(t, torch.Tensor)])
     m, inner = a.shape
     if inner != (k if fwd else n):
         dims = "(M, K) with K" if fwd else "(M, N) with N"
@@ -262,6 +262,12 @@ def wgrad(
         ),
     )
     return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits), capturing))
+
+
+def _unusual(t: Any) -> bool:
+    """Whether ``check_operand_kind`` has something to look at: a tensor that requires grad
+    or is not dense (an MXTensor holds dense tensors that do not)."""
+    return isinstance(t, torch.Tensor) and (t.requires_grad or t.layout is not _STRIDED)
 
 
 def _operands(a_arg: str, a: Any, w: Any, is_list: bool) -> list[tuple[str, Any]]:

@@ -88,6 +88,8 @@ def _bad_weight(op: str) -> list[tuple[str, Any]]:
         ("list_mixed_shapes", [torch.randn(N, K), torch.randn(N + 1, K)]),
         ("list_mixed_dtypes", [torch.randn(N, K), torch.randn(N, K).double()]),
         ("list_with_none", [torch.randn(N, K), None]),
+        ("list_later_requires_grad", [torch.randn(N, K), torch.randn(N, K, requires_grad=True)]),
+        ("list_later_sparse", [torch.randn(N, K), torch.randn(N, K).to_sparse()]),
         ("float64", w.double()),
         ("int", w.int()),
         ("sparse_coo", w.to_sparse()),
