@@ -247,7 +247,40 @@ def _looked_up(config_fn: Callable[..., _Config]) -> Callable[..., _Config]:
     return lambda *args: cached(interpreted(), *args)
 
 
-_upcast_config = _looked_up(upcast_config)
+@functools.lru_cache(maxsize=256)
+def _upcast_plan(
+    interp: bool,
+    m: int,
+    groups: int,
+    w_fmt: str,
+    rows: int,
+    k_red: int,
+    small_scales: bool,
+    device: torch.device,
+    config: UpcastConfig | None,
+) -> tuple[int, dict[str, Any]]:
+    """(programs, constexprs and options) of an upcast launch, worked out once per shape and
+    tile and then looked up (a dozen calls and a dict otherwise: ~3.5 us of host time a launch
+    on the dev CPU, issue 14). ``interp`` keys on ``interpreted()``, which tests patch."""
+    cfg = config or upcast_config(m, groups, w_fmt)
+    programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
+    return programs, {
+        "BM": cfg.bm,
+        "SMALL": cfg.small,
+        "BN": cfg.bn,
+        "BLOCKS": cfg.blocks,
+        "MAX_G": max_groups_bucket(groups),
+        "NUM_PROGS": programs,
+        "EVEN_K": k_red % (32 * cfg.blocks) == 0,
+        "PTX": ptx_decode(device),
+        "FOLD": small_scales,
+        "W_FMT": w_fmt,
+        "PAIRED": paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
+        "INTERP": interp,
+        "num_warps": cfg.warps,
+        "num_stages": cfg.stages,
+        "maxnreg": cfg.max_registers(),
+    }
 
 
 def launch_upcast(
@@ -259,41 +292,24 @@ def launch_upcast(
     config: UpcastConfig | None = None,
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
-    m = a.shape[0]
-    cfg = config or _upcast_config(m, groups, w.fmt)
-    programs = _persistent_programs(m, groups, cfg.small or cfg.bm, w.rows, cfg.bn, a.device, cfg.per_sm)
+    programs, constexprs = _upcast_plan(
+        interpreted(), a.shape[0], groups, w.fmt, w.rows, w.k_red, w.small_scales, a.device, config
+    )
     _UPCAST(
         (programs,),
         a,
         a.stride(0),
         w.data,
-        w.data.stride(0),
-        w.data.stride(1),
-        w.data.stride(2),
+        *w.strides[:3],
         w.scales,
-        w.scales.stride(0),
-        w.scales.stride(1),
+        *w.strides[3:],
         out,
         out.stride(0),
         splits,
         groups,
         w.rows,
         w.k_red,
-        BM=cfg.bm,
-        SMALL=cfg.small,
-        BN=cfg.bn,
-        BLOCKS=cfg.blocks,
-        MAX_G=max_groups_bucket(groups),
-        NUM_PROGS=programs,
-        EVEN_K=w.k_red % (32 * cfg.blocks) == 0,
-        PTX=ptx_decode(a.device),
-        FOLD=w.small_scales,
-        W_FMT=w.fmt,
-        PAIRED=paired_words(w.fmt, cfg.blocks, cfg.warps, cfg.bn),
-        INTERP=interpreted(),
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
-        maxnreg=cfg.max_registers(),
+        **constexprs,
     )
     return out
 
@@ -492,29 +508,34 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
     decode's axis-1 tile)."""
     rows, cols = x.shape
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=x.device)
-    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interpreted() else DEQUANT_TILES[1])
-    if tile.bc % 32:
-        raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
+    tile, constexprs = _quantize_decode_plan(interpreted(), fmt, scale_rule, x.dtype, x.device, tile)
     if rows and cols:
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         col_tiles = cdiv(cols, tile.bc)
-        _QUANTIZE_DECODE(
-            (cdiv(rows, tile.br) * col_tiles,),
-            src,
-            src.stride(0),
-            out,
-            out.stride(0),
-            rows,
-            cols,
-            col_tiles,
-            FMT=fmt,
-            HW_E4M3=ptx_decode(x.device),
-            BR=tile.br,
-            BC=tile.bc,
-            num_warps=tile.warps,
-            **triton_quantizer.format_args(src, FORMATS[fmt], scale_rule),  # the quantizer's own constants
-        )
+        grid = (cdiv(rows, tile.br) * col_tiles,)
+        _QUANTIZE_DECODE(grid, src, src.stride(0), out, out.stride(0), rows, cols, col_tiles, **constexprs)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_decode_plan(
+    interp: bool, fmt: str, scale_rule: str, dtype: torch.dtype, device: torch.device, tile: DequantTile | None
+) -> tuple[DequantTile, dict[str, Any]]:
+    """The tile and the constexprs of a ``quantize_decode`` launch, worked out once per format,
+    rule, dtype and device (issue 14: the MX recipes run it before every sm_90 GEMM)."""
+    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[1])
+    if tile.bc % 32:
+        raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
+    src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
+    quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
+    return tile, {
+        "FMT": fmt,
+        "HW_E4M3": ptx_decode(device),
+        "BR": tile.br,
+        "BC": tile.bc,
+        "num_warps": tile.warps,
+        **quantizer,
+    }
 
 
 def vendor_wgrad_runs(problem: Problem) -> bool:

@@ -70,6 +70,12 @@ class UpcastWeight:
     small_scales: bool = False
     #: Element format: "e2m1" (int32 words, built here) or "e4m3" (int64 words: ``layouts_e4m3``).
     fmt: str = "e2m1"
+    #: The strides the upcast kernel takes (data's first three, the scales' first two), read
+    #: once per layout: a cached MXTensor's layout serves many launches (issue 14).
+    strides: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strides", (*self.data.stride()[:3], *self.scales.stride()[:2]))
 
 
 def _empty_layout(

@@ -50,9 +50,15 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def format_args(x: torch.Tensor, fmt: MXFormat, rule: str) -> dict[str, int]:
+    return format_constants(x.dtype, x.device, fmt, rule)
+
+
+def format_constants(dtype: torch.dtype, device: torch.device, fmt: MXFormat, rule: str) -> dict[str, int]:
+    """The quantizer's constexprs for a source of ``dtype`` (int16: bf16 bits) on ``device``:
+    from these alone, so a launch plan can work them out once."""
     return {
-        "BF16_BITS": x.dtype == torch.int16,
-        "NATIVE": fmt.bits == 8 and _native_fp8(x.device),
+        "BF16_BITS": dtype == torch.int16,
+        "NATIVE": fmt.bits == 8 and _native_fp8(device),
         "RULE": _RULE_IDS[rule],
         "EMAX": fmt.emax,
         "MAX_MANT": fmt.max_mantissa,
