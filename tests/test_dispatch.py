@@ -197,6 +197,22 @@ def test_decision_is_cached_per_signature(args, trio):
     assert trio["hi"].runs == 7
 
 
+def test_a_route_keeps_one_problem_per_m_of_its_bucket(args, trio, monkeypatch):
+    """Calls alternating between two M of one bucket each get a Problem of their own M
+    (the output shape follows it), built once per M and then reused."""
+    x, w, _ = args
+    seen = []
+    real_run = trio["hi"].run
+    monkeypatch.setattr(trio["hi"], "run", lambda problem, inputs: seen.append(problem) or real_run(problem, inputs))
+    # One route: M 10 and 12 share a bucket, and every split's largest group and alignment agree.
+    for m, splits in [(12, [5, 0, 7]), (10, [5, 0, 5]), (12, [7, 5, 0]), (10, [3, 7, 0])]:
+        out = gg.grouped_gemm(x[:m], w, splits)
+        assert rel_error(out, ref_fwd(x[:m], w, splits)) < 1e-6
+    assert [p.m for p in seen] == [12, 10, 12, 10]
+    assert seen[2] is seen[0] and seen[3] is seen[1]  # built once per M, then looked up
+    assert trio["hi"].checks == 1  # one decision for the bucket
+
+
 def test_cache_invalidated_by_configure_and_registration(args, trio, make_backend):
     assert selected(args) == "hi"
     x, w, s = args
