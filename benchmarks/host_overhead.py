@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pathlib
 import pstats
@@ -65,7 +66,25 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
     }
     for name in [n for n in variants if "a16w4" in n]:
         variants[f"{name}, Triton launch path"] = _through_triton_path(variants[name])
+    # Token counts change from step to step in decode and training: calls alternating between
+    # two M of one bucket (the same route, a Problem per M).
+    short = m - G  # ROWS - 1 rows a group: the same M bucket and largest-group bucket
+    x_short, dev32_short = x[:short], torch.full((G,), ROWS - 1, device=device, dtype=torch.int32)
+    offs_short = gg.offsets(dev32_short)
+    variants["gg bf16, gg.offsets(device) reused, M alternating"] = _alternating(
+        lambda: gg.grouped_gemm(x, w, offs_dev), lambda: gg.grouped_gemm(x_short, w, offs_short)
+    )
+    variants["gg a16w4 (MXTensor w), device splits, M alternating"] = _alternating(
+        lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="a16w4"),
+        lambda: gg.grouped_gemm(x_short, w_mx, dev32_short, recipe="a16w4"),
+    )
     return variants
+
+
+def _alternating(*calls: Callable[[], object]) -> Callable[[], object]:
+    """One call of ``calls`` in turn per call."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def _through_triton_path(fn: Callable[[], object]) -> Callable[[], object]:

@@ -493,7 +493,8 @@ def test_every_benchmark_script_imports_and_parses_its_arguments(script):
 
 
 def test_host_overhead_profile_writes_the_top_functions(tmp_path):
-    """``host_overhead.py --profile``'s writer, on the CPU: a pstats table sorted by own time."""
+    """``host_overhead.py --profile``'s writer, on the CPU: pstats tables sorted by own and by
+    cumulative time; and its alternating calls take turns."""
     spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -501,3 +502,9 @@ def test_host_overhead_profile_writes_the_top_functions(tmp_path):
     module._profile(lambda: sorted(range(100), key=str), 20, path)
     text = path.read_text()
     assert "Ordered by: internal time" in text and "tottime" in text and "sorted" in text
+    assert "Ordered by: cumulative time" in text
+    seen = []
+    call = module._alternating(lambda: seen.append("a"), lambda: seen.append("b"))
+    for _ in range(5):
+        call()
+    assert seen == ["a", "b", "a", "b", "a"]
