@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from grouped_gemm import tuning_store
+from grouped_gemm.backend_hooks import prepared_reasons
 from grouped_gemm.clock import Clock
 from grouped_gemm.config import LOGGER
 from grouped_gemm.decision import Candidate, Decision
@@ -503,7 +504,12 @@ class Tuner:
         excluded: list[Timing] = []
         reg = registry()
         for candidate in eligible:
-            backend = reg.get(candidate.name).backend
+            entry = reg.get(candidate.name)
+            backend = entry.backend
+            unready = prepared_reasons(entry, problem)
+            if unready:  # e.g. its kernels failed to build
+                excluded.append(Timing(candidate.name, None, None, 0, "prepare(): " + "; ".join(map(str, unready))))
+                continue
             try:
                 configs = _configs(backend, problem)
             except Exception as exc:  # noqa: BLE001 - a broken plugin hook excludes only it

@@ -136,7 +136,8 @@ class Backend(abc.ABC):
     """Convenience base class: subclasses set ``spec`` and implement ``run``.
 
     Override ``check`` for eligibility a spec cannot declare, and ``priority`` when the
-    best backend depends on the problem (it is called once per problem signature). To let
+    best backend depends on the problem (it is called once per problem signature). Work that
+    is slow and only needed to run (compiling kernels) belongs in ``prepare``. To let
     autotuning pick kernel configs too, define ``configs(problem) -> list[dict]`` (small
     dicts of JSON scalars) and ``run_config(problem, inputs, config)`` (``grouped_gemm.autotune``).
     """
@@ -150,6 +151,13 @@ class Backend(abc.ABC):
     def priority(self, problem: Problem) -> int:
         """Rank among eligible backends when the user set no order; higher wins."""
         return self.spec.priority
+
+    def prepare(self, problem: Problem) -> list[Reason]:
+        """Get ready to run ``problem`` (e.g. build kernels); reasons returned make this
+        backend ineligible, like ``check``'s. Called only when this backend is about to be
+        chosen, or timed by autotuning: every decision asks every backend's ``check``, so a
+        slow ``check`` would cost calls that never run this backend."""
+        return []
 
     @abc.abstractmethod
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor:

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grouped_gemm import autotune, config
+from grouped_gemm.backend_hooks import evaluate, prepared_reasons
 from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import on_change as on_device_change
-from grouped_gemm.eligibility import declared_reasons
 from grouped_gemm.errors import BackendRunError, BackendUnavailableError, UnknownBackendError
 from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry, Registry, registry
@@ -68,60 +68,6 @@ class _Routed:
 MAX_PROBLEMS_PER_ROUTE = 64
 
 
-#: (backend, what misbehaved, exception type) already logged: a broken plugin is logged
-#: once with its traceback, not on every decision.
-_logged_plugin_bugs: set[tuple[str, str, str]] = set()
-
-
-def _plugin_bug(name: str, what: str, detail: str, exc: BaseException | None = None) -> Reason:
-    """A misbehaving ``check()`` / ``priority()`` as a reason for that backend alone."""
-    token = (name, what, type(exc).__name__ if exc is not None else detail)
-    if token not in _logged_plugin_bugs:
-        _logged_plugin_bugs.add(token)
-        LOGGER.warning("grouped_gemm backend %s: %s %s", name, what, detail, exc_info=exc)
-    return Reason("plugin", f"{what} {detail}")
-
-
-def _checked_reasons(name: str, answer: Any) -> list[Reason]:
-    """``check()``'s answer as reasons: a list or tuple of ``Reason`` objects, else one
-    reason saying what came back instead."""
-    if not isinstance(answer, (list, tuple)):
-        return [_plugin_bug(name, "check()", f"returned {_short(answer)}, not a list of gg.Reason")]
-    bad = [r for r in answer if not isinstance(r, Reason)]
-    if bad:
-        return [_plugin_bug(name, "check()", f"returned {_short(bad[0])} among its reasons, not a gg.Reason")]
-    return list(answer)
-
-
-def _evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
-    """Reasons and priority of one backend; a plugin bug becomes a reason, not a crash."""
-    name = entry.spec.name
-    reasons = declared_reasons(entry.spec, problem)
-    try:
-        reasons += _checked_reasons(name, entry.backend.check(problem))
-    except Exception as exc:  # noqa: BLE001 - a broken check() must not break dispatch
-        reasons.append(_plugin_bug(name, "check()", f"raised {type(exc).__name__}: {exc}", exc))
-    priority = entry.spec.priority
-    priority_of = getattr(entry.backend, "priority", None)
-    if callable(priority_of):
-        try:
-            answer = priority_of(problem)
-        except Exception as exc:  # noqa: BLE001 - nor a broken priority()
-            reasons.append(_plugin_bug(name, "priority()", f"raised {type(exc).__name__}: {exc}", exc))
-        else:
-            if isinstance(answer, int) and not isinstance(answer, bool):
-                priority = answer
-            else:
-                reasons.append(_plugin_bug(name, "priority()", f"returned {_short(answer)}, not an int"))
-    return tuple(reasons), priority
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    text = text if len(text) <= 80 else text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
 def check_names(names: tuple[str, ...], reg: Registry, argument: str) -> None:
     """UnknownBackendError for the first name no backend is registered under."""
     known = reg.names()
@@ -158,7 +104,7 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
     source, names, strict, warn = _preference(problem, call_order, reg)
     evaluated: dict[str, tuple[Entry, tuple[Reason, ...], int]] = {}
     for entry in reg.entries():
-        reasons, priority = _evaluate(entry, problem)
+        reasons, priority = evaluate(entry, problem)
         evaluated[entry.spec.name] = (entry, reasons, priority)
     preferred = [n for n in names if n in evaluated]
     rest = sorted((n for n in evaluated if n not in names), key=lambda n: (-evaluated[n][2], n))
@@ -177,17 +123,24 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
                 reasons=reasons,
             )
         )
-    selected = next((c.name for c in candidates if c.eligible), None)
-    decision = Decision(
-        problem=problem,
-        candidates=tuple(candidates),
-        selected=selected,
-        order_source=source,
-        order=tuple(names),
-        strict=strict,
-    )
-    if source == "autotune":
-        decision = autotune.TUNER.apply(decision)
+    while True:  # the selected backend prepares; one that cannot gives way to the next
+        decision = Decision(
+            problem=problem,
+            candidates=tuple(candidates),
+            selected=next((c.name for c in candidates if c.eligible), None),
+            order_source=source,
+            order=tuple(names),
+            strict=strict,
+        )
+        if source == "autotune":
+            decision = autotune.TUNER.apply(decision)
+        if decision.selected is None:
+            break
+        reasons = prepared_reasons(evaluated[decision.selected][0], problem)
+        if not reasons:
+            break
+        at = next(i for i, c in enumerate(candidates) if c.name == decision.selected)
+        candidates[at] = dataclasses.replace(candidates[at], reasons=candidates[at].reasons + tuple(reasons))
     if LOGGER.isEnabledFor(10):
         LOGGER.debug("grouped_gemm decision:\n%s", decision.table())
     return decision, warn

@@ -374,6 +374,21 @@ def test_a_broken_configs_hook_excludes_only_that_backend(only, gen):
     assert "not JSON scalars" in {t.backend: t.note for t in decision.tuning.timings}["bad"]
 
 
+def test_a_backend_that_cannot_prepare_is_not_timed(only, gen):
+    """Autotuning prepares every contender, not only the selected one: a contender whose
+    preparation fails is excluded with its reason and never run; the others are timed."""
+    unready = TimedBackend("unready", priority=1)
+    unready.prepare = lambda problem: [gg.Reason("build", "nvcc failed; log: /tmp/build.log")]
+    slow, fast = TimedBackend("slow", delay=0.003, priority=9), TimedBackend("fast", priority=5)
+    only(unready, slow, fast)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected == "fast" and unready.runs == 0
+    assert "nvcc failed" in {t.backend: t.note for t in decision.tuning.timings}["unready"]
+
+
 def test_described_devices_are_never_measured(only, gen):
     only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
     x, w = _operands(gen)

@@ -364,3 +364,61 @@ def test_fallback_warning_points_at_the_caller(args, make_backend, trio):
     with pytest.warns(gg.FallbackWarning) as record:
         gg.grouped_gemm(*args)
     assert record[0].filename == __file__
+
+
+# ---- prepare: slow readiness work, only for the backend about to run ----------------------
+
+
+def _preparing(backend, answer):
+    """Make ``backend.prepare`` record its calls and answer ``answer`` (a list, or an
+    exception to raise)."""
+    backend.prepared = 0
+
+    def prepare(problem):
+        backend.prepared += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    backend.prepare = prepare
+    return backend
+
+
+def test_only_the_selected_backend_prepares_once_per_route(args, trio):
+    for backend in trio.values():
+        _preparing(backend, [])
+    x, w, s = args
+    for _ in range(3):
+        assert rel_error(gg.grouped_gemm(x, w, s), ref_fwd(x, w, s)) < 1e-6
+    assert [trio[n].prepared for n in ("hi", "mid", "lo")] == [1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "answer, code",
+    [
+        ([gg.Reason("build", "nvcc failed; log: /tmp/x.log")], "build"),
+        (RuntimeError("boom"), "plugin"),
+        ("not a list", "plugin"),
+    ],
+)
+def test_a_backend_that_cannot_prepare_gives_way_to_the_next(args, trio, answer, code):
+    _preparing(trio["hi"], answer)
+    _preparing(trio["mid"], [])
+    x, w, s = args
+    assert rel_error(gg.grouped_gemm(x, w, s), ref_fwd(x, w, s)) < 1e-6
+    assert (trio["hi"].runs, trio["mid"].runs, trio["mid"].prepared) == (0, 1, 1)
+    decision = gg.explain(x, w, s)
+    assert decision.selected == "mid"
+    assert [r.code for r in decision.candidate("hi").reasons] == [code]
+    assert "hi" in decision.table() and f"[{code}]" in decision.table()
+
+
+def test_a_named_backend_that_cannot_prepare_is_a_fallback(args, trio):
+    """The preferred backend's preparation failing is reported like any skip: it warns (when
+    switched on) and names the reason."""
+    _preparing(trio["lo"], [gg.Reason("build", "no compiler")])
+    gg.configure(warn_fallback=True)
+    x, w, s = args
+    with pytest.warns(gg.FallbackWarning, match=r"lo: \[build\] no compiler"):
+        gg.grouped_gemm(x, w, s, backend="lo")
+    assert trio["hi"].runs == 1 and trio["lo"].runs == 0

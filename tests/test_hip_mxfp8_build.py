@@ -284,3 +284,36 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
     assert not re.search(r"\b(LDL|STL)\b", sass)
     if target == "sm_90a" and not defines:
         assert "HMMA.16816.F32" in sass
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_the_build_waits_for_prepare(cache, monkeypatch, builds):
+    """On this machine's GPU (emulated: a compiler present, nothing built yet) ``check`` does
+    not build: every mxfp8 decision asks it, also those ``triton_mxfp8`` wins. ``prepare`` does,
+    once this backend is about to run, and a failed build makes it ineligible there."""
+    monkeypatch.setattr(build, "blocker", lambda vendor: None)
+    attempts = []
+
+    def ensure(arch, vendor):
+        attempts.append(arch)
+        outcome = build.BuildResult(
+            arch,
+            cache / "build.log",
+            module=object() if builds else None,
+            error=None if builds else "build failed: nvcc",
+        )
+        monkeypatch.setattr(build, "result", lambda a: outcome)
+        return outcome
+
+    monkeypatch.setattr(build, "ensure", ensure)
+    monkeypatch.setattr(build, "result", lambda arch: None)
+    described = gg.describe_problem(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024, device="sm_90")
+    here = dataclasses.replace(described, device=dataclasses.replace(described.device, detected=True), placement="cuda")
+    backend = HipMxfp8Backend()
+    assert backend.check(here) == [] and attempts == []
+    reasons = backend.prepare(here)
+    assert attempts == ["sm_90"]
+    assert [r.code for r in reasons] == ([] if builds else ["build"])
+    assert backend.prepare(here) == [] and attempts == ["sm_90"]  # known now: check() reports it
+    assert [r.code for r in backend.check(here)] == ([] if builds else ["build"])
+    assert backend.prepare(described) == [] and attempts == ["sm_90"]  # a described device is built where it runs

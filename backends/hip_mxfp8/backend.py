@@ -71,6 +71,15 @@ class HipMxfp8Backend(Backend):
             reasons += _build_reasons(problem)
         return reasons
 
+    def prepare(self, problem: Problem) -> list[Reason]:
+        """Build the kernels for this GPU's arch (compiled once per machine into the cache,
+        then loaded): only when this backend is about to run, not on every decision (a first
+        mxfp8 call on an H200 waited for this build although ``triton_mxfp8`` ran it)."""
+        if not _builds_here(problem) or problem.capturing or build.result(problem.device.arch) is not None:
+            return []  # check() has reported what is known
+        outcome = build.ensure(problem.device.arch, problem.device.vendor)
+        return [] if outcome.ok else [_build_reason(outcome)]
+
     def priority(self, problem: Problem) -> int:
         """30 on sm_89 / sm_90 (below ``triton_mxfp8``'s 80 until measured), 10 on gfx950."""
         return PRIORITY.get(problem.device.arch, self.spec.priority)
@@ -183,16 +192,14 @@ def _build_reason(outcome: build.BuildResult) -> Reason:
 
 
 def _build_reasons(problem: Problem) -> list[Reason]:
-    """Build on the first call on a real GPU; report a known or certain failure otherwise."""
+    """A known or certain build failure (cheap: every decision asks); the build itself waits
+    for ``prepare``, when this backend is about to run."""
     arch, vendor = problem.device.arch, problem.device.vendor
     outcome = build.result(arch)
     if outcome is None:
-        blocked = build.blocker(vendor)
-        if blocked is not None:
-            outcome = build.ensure(arch, vendor)
-        elif not problem.device.detected or problem.placement != "cuda":
-            return []  # a described device: it is built where it runs
-        elif problem.capturing:
+        if build.blocker(vendor) is not None:
+            outcome = build.ensure(arch, vendor)  # no compiler to try: fails at once, with its log
+        elif _builds_here(problem) and problem.capturing:
             return [
                 Reason(
                     "capture",
@@ -201,8 +208,13 @@ def _build_reasons(problem: Problem) -> list[Reason]:
                 )
             ]
         else:
-            outcome = build.ensure(arch, vendor)
+            return []  # built by prepare where it runs (a described device: never here)
     return [] if outcome.ok else [_build_reason(outcome)]
+
+
+def _builds_here(problem: Problem) -> bool:
+    """Whether the problem's device is this machine's GPU, where the kernels are built."""
+    return problem.device.detected and problem.placement == "cuda"
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
