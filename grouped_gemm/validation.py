@@ -168,8 +168,8 @@ def fwd_or_dgrad(
     device = a.device
     if w0.device != device:
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
-    if device.type == "meta" and isinstance(a, torch.Tensor):
-        check_operand_kind([(a_arg, a)])
+    if device.type == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
+        check_operand_kind([(name, t) for name, t in ((a_arg, a), ("w", w0)) if isinstance(t, torch.Tensor)])
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
