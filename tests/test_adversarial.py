@@ -173,7 +173,19 @@ def _bad_out(op: str) -> list[tuple[str, Any]]:
     if op == "wgrad":
         buf = torch.empty(N, K)
         cases += [("repeated_buffers", [buf] * G), ("list_too_short", [buf])]
+        later_strided = [torch.empty(N, K) for _ in range(G)]
+        later_strided[1] = torch.empty(K, N).T
+        cases.append(("list_later_non_contiguous", later_strided))
     return cases
+
+
+def test_a_wgrad_out_list_names_the_tensor_at_fault():
+    """The error names the group's buffer that is wrong, not the first one."""
+    out = [torch.empty(N, K) for _ in range(G)]
+    out[1] = torch.empty(K, N).T
+    dy, x = torch.randn(6, N), torch.randn(6, K)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^out\[1\]=.*contiguous"):
+        gg.grouped_gemm_wgrad(dy, x, [2, 4] + [0] * (G - 2), out=out)
 
 
 def _cases() -> list[Any]:
