@@ -10,7 +10,7 @@ The Triton routes run twice, with grouped_gemm's cached launcher and through Tri
 functions with the most own time and the 40 with the most cumulative time to
 ``DIR/profile/<variant>.txt``: where the host time goes.
 
-    python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR] [--profile]
+    python benchmarks/host_overhead.py [--calls 2000] [--rounds 5] [--out DIR] [--profile] [--only WORDS]
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
     return variants
 
 
+def selected(variants: dict[str, Callable[[], object]], only: str) -> dict[str, Callable[[], object]]:
+    """The first (bare) variant and those whose name contains a word of ``only``; all of
+    them when ``only`` is empty. The bare call stays: every row is read against it."""
+    words = [w.strip() for w in only.split(",") if w.strip()]
+    names = list(variants)
+    keep = [n for i, n in enumerate(names) if i == 0 or not words or any(w in n for w in words)]
+    return {n: variants[n] for n in keep}
+
+
 def _alternating(*calls: Callable[[], object]) -> Callable[[], object]:
     """One call of ``calls`` in turn per call."""
     turn = itertools.cycle(calls)
@@ -139,11 +148,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--profile", action="store_true", help="cProfile each variant into DIR/profile (needs --out)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words: time the bare call and the variants whose name has one of them "
+        "(e.g. 'a16w4,reused'; every variant by default)",
+    )
     args = parser.parse_args()
     if args.profile and args.out is None:
         parser.error("--profile writes its files under --out DIR")
     device = torch.device("cuda")
-    variants = _variants(device)
+    variants = selected(_variants(device), args.only)
     runnable = {}
     for name, fn in variants.items():
         try:

@@ -493,8 +493,8 @@ def test_every_benchmark_script_imports_and_parses_its_arguments(script):
 
 
 def test_host_overhead_profile_writes_the_top_functions(tmp_path):
-    """``host_overhead.py --profile``'s writer, on the CPU: pstats tables sorted by own and by
-    cumulative time; and its alternating calls take turns."""
+    """``host_overhead.py``'s helpers, on the CPU: the ``--profile`` writer's pstats tables
+    (by own and by cumulative time), alternating calls, and ``--only``'s selection."""
     spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -508,3 +508,6 @@ def test_host_overhead_profile_writes_the_top_functions(tmp_path):
     for _ in range(5):
         call()
     assert seen == ["a", "b", "a", "b", "a"]
+    variants = {"bare": 0, "gg a16w4 x": 1, "gg bf16 reused": 2, "gg mxfp8 y": 3}
+    assert list(module.selected(variants, "a16w4, reused")) == ["bare", "gg a16w4 x", "gg bf16 reused"]
+    assert list(module.selected(variants, "")) == list(variants)
