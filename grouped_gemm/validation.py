@@ -157,10 +157,10 @@ def fwd_or_dgrad(
         w, groups, n, k, is_list = check_grouped_matrices(w, "w")
         w0 = w[0] if is_list else w
     b_format = w0.dtype if isinstance(w0, torch.Tensor) else mx_format(w0)
-    if is_list:  # every group's weight: a later one may require grad or be sparse
-        check_operand_kind([(name, t) for name, t in _operands(a_arg, a, w, True) if isinstance(t, torch.Tensor)])
-    elif _unusual(a) or _unusual(w0):  # an MXTensor is neither; one plain test each on the hot path
-        check_operand_kind([(name, t) for name, t in ((a_arg, a), ("w", w0)) if isinstance(t, torch.Tensor)])
+    # A list: every group's weight (a later one may require grad or be sparse). Otherwise one
+    # plain test of each operand on the hot path (an MXTensor passes it).
+    if is_list or _unusual(a) or _unusual(w0):
+        check_operand_kind(_tensor_operands(a_arg, a, w))
     m, inner = a.shape
     if inner != (k if fwd else n):
         dims = "(M, K) with K" if fwd else "(M, N) with N"
@@ -169,7 +169,7 @@ def fwd_or_dgrad(
     if w0.device != device:
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
     if device.type == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
-        check_operand_kind([(name, t) for name, t in ((a_arg, a), ("w", w0)) if isinstance(t, torch.Tensor)])
+        check_operand_kind(_tensor_operands(a_arg, a, w))
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
@@ -270,8 +270,10 @@ def _unusual(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.requires_grad or t.layout is not _STRIDED)
 
 
-def _operands(a_arg: str, a: Any, w: Any, is_list: bool) -> list[tuple[str, Any]]:
-    return [(a_arg, a), *(("w", t) for t in (w if is_list else [w]))]
+def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every plain-tensor operand: ``a``, and ``w`` or each of its list."""
+    pairs = [(a_arg, a), *(("w", t) for t in (w if isinstance(w, list) else [w]))]
+    return [(name, t) for name, t in pairs if isinstance(t, torch.Tensor)]
 
 
 # ---- operands -----------------------------------------------------------------------------
