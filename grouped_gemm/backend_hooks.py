@@ -26,14 +26,14 @@ def _plugin_bug(name: str, what: str, detail: str, exc: BaseException | None = N
     return Reason("plugin", f"{what} {detail}")
 
 
-def _checked_reasons(name: str, answer: Any) -> list[Reason]:
-    """``check()``'s answer as reasons: a list or tuple of ``Reason`` objects, else one
-    reason saying what came back instead."""
+def _checked_reasons(name: str, hook: str, answer: Any) -> list[Reason]:
+    """A ``check()`` / ``prepare()`` answer as reasons: a list or tuple of ``Reason`` objects,
+    else one reason saying what came back instead."""
     if not isinstance(answer, (list, tuple)):
-        return [_plugin_bug(name, "check()", f"returned {_short(answer)}, not a list of gg.Reason")]
+        return [_plugin_bug(name, hook, f"returned {_short(answer)}, not a list of gg.Reason")]
     bad = [r for r in answer if not isinstance(r, Reason)]
     if bad:
-        return [_plugin_bug(name, "check()", f"returned {_short(bad[0])} among its reasons, not a gg.Reason")]
+        return [_plugin_bug(name, hook, f"returned {_short(bad[0])} among its reasons, not a gg.Reason")]
     return list(answer)
 
 
@@ -42,7 +42,7 @@ def evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
     name = entry.spec.name
     reasons = declared_reasons(entry.spec, problem)
     try:
-        reasons += _checked_reasons(name, entry.backend.check(problem))
+        reasons += _checked_reasons(name, "check()", entry.backend.check(problem))
     except Exception as exc:  # noqa: BLE001 - a broken check() must not break dispatch
         reasons.append(_plugin_bug(name, "check()", f"raised {type(exc).__name__}: {exc}", exc))
     priority = entry.spec.priority
@@ -70,9 +70,7 @@ def prepared_reasons(entry: Entry, problem: Problem) -> list[Reason]:
         answer = prepare(problem)
     except Exception as exc:  # noqa: BLE001 - a broken prepare() must not break dispatch
         return [_plugin_bug(name, "prepare()", f"raised {type(exc).__name__}: {exc}", exc)]
-    if not isinstance(answer, (list, tuple)) or not all(isinstance(r, Reason) for r in answer):
-        return [_plugin_bug(name, "prepare()", f"returned {_short(answer)}, not a list of gg.Reason")]
-    return list(answer)
+    return _checked_reasons(name, "prepare()", answer)
 
 
 def _short(value: Any) -> str:
