@@ -85,18 +85,22 @@ LAUNCH_KEYWORDS = {
     "warps": "num_warps",
     "stages": "num_stages",
     "small": "SMALL",
+    "tma": "_launcher",
 }
+#: ``tma`` -> the launcher it picks (the test operands are all TMA-aligned).
+TMA_LAUNCHERS = {0: "_GROUPED", 1: "_GROUPED_TMA"}
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The keywords of every kernel launch (the cached launchers, spied on)."""
+    """The keywords of every kernel launch (the cached launchers, spied on), and under
+    ``_launcher`` which launcher took it."""
     seen = []
-    for attr in ("_GROUPED", "_UPCAST", "_SCALED", "_WGRAD"):
+    for attr in ("_GROUPED", "_GROUPED_TMA", "_UPCAST", "_SCALED", "_WGRAD"):
         real = getattr(launch, attr)
 
-        def spy(grid, *args, real=real, **kwargs):
-            seen.append(kwargs)
+        def spy(grid, *args, real=real, attr=attr, **kwargs):
+            seen.append({**kwargs, "_launcher": attr})
             return real(grid, *args, **kwargs)
 
         monkeypatch.setattr(launch, attr, spy)
@@ -108,6 +112,8 @@ def _check_launched(launches, config):
     (the interpreter counts 2 SMs)."""
     kwargs = launches[-1]
     fields = dataclasses.asdict(config)
+    if "tma" in fields:
+        fields["tma"] = TMA_LAUNCHERS[fields["tma"]]
     assert {LAUNCH_KEYWORDS[f]: v for f, v in fields.items() if f != "per_sm"} == {
         LAUNCH_KEYWORDS[f]: kwargs[LAUNCH_KEYWORDS[f]] for f in fields if f != "per_sm"
     }

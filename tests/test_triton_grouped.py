@@ -143,6 +143,40 @@ def test_kernel_masks_unaligned_n_and_k(transpose_w, gen):
     assert rel_error(out, want) < FP32_OUT_TOL
 
 
+@needs_interpreter
+@pytest.mark.parametrize("transpose_w", [True, False], ids=["fwd", "dgrad"])
+@pytest.mark.parametrize("tma", [1, 0], ids=["tma", "pointer_loads"])
+def test_tma_and_pointer_loads_match_float64(transpose_w, tma, gen):
+    """Both load paths of the fwd / dgrad kernel at one tile config: row tiles that run past
+    their group into the next (and past M), a contraction tail (K=40 with 32-wide steps), a
+    column tail (N=48 with 32-wide tiles), empty groups, into NaN-poisoned output."""
+    splits = [5, 0, 41, 0, 2]
+    n, k = 48, 40
+    w = torch.randn(len(splits), n, k, generator=gen).bfloat16()
+    a = torch.randn(sum(splits), k if transpose_w else n, generator=gen).bfloat16()
+    assert launch.tma_runs(a, w)
+    out = poison(torch.empty(sum(splits), n if transpose_w else k))
+    config = launch.GroupedConfig(bm=16, bn=32, bk=32, warps=4, stages=1, per_sm=1, tma=tma)
+    launch.launch_grouped(a, w, torch.tensor(splits, dtype=torch.int32), out, transpose_w=transpose_w, config=config)
+    want = ref_fwd(a, w, splits) if transpose_w else ref_dgrad(a, w, splits)
+    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) outputs"
+    assert rel_error(out, want) < FP32_OUT_TOL
+
+
+@needs_interpreter
+def test_tma_config_on_unaligned_operand_takes_pointer_loads(gen):
+    """An activation whose base is not 16-byte aligned (a view one element into its storage)
+    cannot be described to TMA: the launch reads it through pointers instead, rightly."""
+    splits = [3, 4]
+    w = torch.randn(2, 16, 8, generator=gen).bfloat16()
+    a = torch.randn(57, generator=gen).bfloat16()[1:].view(7, 8)
+    assert a.data_ptr() % 16 and not launch.tma_runs(a, w)
+    out = poison(torch.empty(7, 16))
+    config = launch.GroupedConfig(bm=16, bn=16, bk=16, warps=4, stages=1, per_sm=1, tma=1)
+    launch.launch_grouped(a, w, torch.tensor(splits, dtype=torch.int32), out, transpose_w=True, config=config)
+    assert rel_error(out, ref_fwd(a, w, splits)) < FP32_OUT_TOL
+
+
 def _reasons(**described):
     """Every reason triton_grouped gives for a described problem (declared and its own), as one string."""
     described = {"groups": 4, "m": 256, "n": 64, "k": 64, "recipe": "bf16", **described}

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from grouped_gemm import Problem, Reason
 from grouped_gemm.backends.triton_mx.dequant_kernel import (
@@ -26,7 +27,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     dequant_kernel,
     quantize_decode_kernel,
 )
-from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
+from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel, grouped_tma_kernel
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -44,6 +45,8 @@ _QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)
 _DEQUANT = CachedLauncher(dequant_kernel)
 _WGRAD = CachedLauncher(wgrad_grouped_kernel)
 _GROUPED = CachedLauncher(grouped_kernel)
+# Tensor-descriptor arguments are not modelled by the cached launcher: Triton's own path.
+_GROUPED_TMA = CachedLauncher(grouped_tma_kernel)
 
 
 def interpreted() -> bool:
@@ -317,7 +320,8 @@ def launch_upcast(
 @dataclasses.dataclass(frozen=True)
 class GroupedConfig:
     """Tiles of the plain bf16 / fp16 grouped kernel: rows (BM), output columns (BN),
-    contraction step (BK), warps, pipeline stages, programs per SM."""
+    contraction step (BK), warps, pipeline stages, programs per SM, and ``tma``: 1 to fetch
+    the tiles through tensor descriptors where ``tma_runs`` allows (else pointer loads)."""
 
     bm: int
     bn: int
@@ -325,6 +329,7 @@ class GroupedConfig:
     warps: int
     stages: int
     per_sm: int
+    tma: int = 0
 
     def smem_bytes(self) -> int:
         """Shared memory of the pipelined loads: both 16-bit tiles per stage."""
@@ -343,7 +348,7 @@ def grouped_config(m: int, groups: int) -> GroupedConfig:
     128 x 256 1.23-1.47x faster than 128 x 128 on the skewed qwen3-30B and gpt-oss cases,
     and 3 stages within 2 % of 4 (144 KB of shared memory: it fits sm_80's 164 KB)."""
     if interpreted():
-        return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1)
+        return GroupedConfig(bm=32, bn=32, bk=32, warps=4, stages=1, per_sm=1, tma=1)
     return _grouped_default(m, groups)
 
 
@@ -353,10 +358,30 @@ def _grouped_default(m: int, groups: int) -> GroupedConfig:
         return GroupedConfig(bm=16, bn=128, bk=128, warps=4, stages=3, per_sm=2)
     if mean_rows <= 64:
         return GroupedConfig(bm=64, bn=128, bk=64, warps=4, stages=4, per_sm=2)
-    return GroupedConfig(bm=128, bn=256, bk=64, warps=8, stages=3, per_sm=1)
+    return GroupedConfig(bm=128, bn=256, bk=64, warps=8, stages=3, per_sm=1, tma=1)
 
 
 _grouped_config = _looked_up(grouped_config)
+
+
+@functools.cache
+def _tma_device(device: torch.device) -> bool:
+    """Whether ``device`` has the copy engine tensor descriptors use: CUDA sm_90 and newer
+    (once per device, like ``ptx_decode``)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def tma_runs(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``a`` (M, k) and ``w`` (G, N, K) can be read through tensor descriptors: a
+    chip with TMA (or Triton's interpreter, which reads them in software), 16-bit
+    elements, unit last strides, 16-byte aligned bases and other strides (TMA's rules; the
+    backend's alignment of N and K makes them hold for contiguous operands, a sliced one
+    may break them)."""
+    if not (interpreted() or _tma_device(a.device)) or a.element_size() != 2 or w.element_size() != 2:
+        return False
+    if a.stride(1) != 1 or w.stride(2) != 1 or a.data_ptr() % 16 or w.data_ptr() % 16:
+        return False
+    return a.stride(0) % 8 == 0 and w.stride(0) % 8 == 0 and w.stride(1) % 8 == 0
 
 
 def launch_grouped(
@@ -368,13 +393,40 @@ def launch_grouped(
     config: GroupedConfig | None = None,
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ w[g]^T`` (``transpose_w``: fwd, ``w`` (G, N, K)) or
-    ``@ w[g]`` (dgrad) with bf16 / fp16 ``a`` and ``w`` and unit column strides."""
+    ``@ w[g]`` (dgrad) with bf16 / fp16 ``a`` and ``w`` and unit column strides; through
+    tensor descriptors when the config asks for them and ``tma_runs``."""
     m, groups = a.shape[0], w.shape[0]
     n_out, k_red = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
-    # Weight strides as (group, contraction, output column).
-    stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
     cfg = config or _grouped_config(m, groups)
     programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
+    common = {
+        "BM": cfg.bm,
+        "BN": cfg.bn,
+        "BK": cfg.bk,
+        "MAX_G": max_groups_bucket(groups),
+        "NUM_PROGS": programs,
+        "INTERP": interpreted(),
+        "num_warps": cfg.warps,
+        "num_stages": cfg.stages,
+    }
+    if cfg.tma and tma_runs(a, w):
+        w_block = [1, cfg.bn, cfg.bk] if transpose_w else [1, cfg.bk, cfg.bn]
+        _GROUPED_TMA(
+            (programs,),
+            TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]),
+            TensorDescriptor.from_tensor(w, w_block),
+            out,
+            out.stride(0),
+            splits,
+            groups,
+            n_out,
+            k_red,
+            TRANSPOSE_W=transpose_w,
+            **common,
+        )
+        return out
+    # Weight strides as (group, contraction, output column).
+    stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
     _GROUPED(
         (programs,),
         a,
@@ -389,15 +441,8 @@ def launch_grouped(
         groups,
         n_out,
         k_red,
-        BM=cfg.bm,
-        BN=cfg.bn,
-        BK=cfg.bk,
-        MAX_G=max_groups_bucket(groups),
-        NUM_PROGS=programs,
         EVEN_K=k_red % cfg.bk == 0,
-        INTERP=interpreted(),
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        **common,
     )
     return out
 
@@ -708,6 +753,7 @@ FIELD_RANGES = {
     "stages": (1, 8),
     "per_sm": (1, 8),
     "small": (16, 128),
+    "tma": (0, 1),
 }
 #: Fields that may also be 0 (off): ``small``, one row height for every group.
 _MAY_BE_ZERO = frozenset({"small"})
@@ -754,7 +800,7 @@ def _neighbours(
 def grouped_configs(m: int, groups: int) -> list[GroupedConfig]:
     """The plain grouped kernel's candidates (fwd / dgrad) around its GPU default."""
     d = _grouped_default(m, groups)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "bk": (32, 64, 128)}
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "bk": (32, 64, 128), "tma": (0, 1)}
     return _neighbours(d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)})
 
 
