@@ -221,7 +221,14 @@ def _upcast(
     warps = warps or (8 if bm >= 128 else 4)
     c = _compile(
         upcast_grouped_kernel,
-        {"A": "*bf16", "W": "*i64" if w_fmt == "e4m3" else "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"},
+        {
+            "A": "*bf16",
+            "A_SMALL": "*bf16",
+            "W": "*i64" if w_fmt == "e4m3" else "*i32",
+            "S": "*i32",
+            "Out": "*bf16",
+            "Splits": "*i32",
+        },
         dict(
             BM=bm,
             SMALL=small,
@@ -234,6 +241,7 @@ def _upcast(
             FOLD=fold,
             W_FMT=w_fmt,
             PAIRED=paired_words(w_fmt, blocks, warps, 128),
+            TMA=False,
             INTERP=False,
         ),
         TARGETS["sm_90"],

@@ -85,9 +85,10 @@ LAUNCH_KEYWORDS = {
     "warps": "num_warps",
     "stages": "num_stages",
     "small": "SMALL",
-    "tma": "_launcher",
+    "tma": "TMA",
 }
-#: ``tma`` -> the launcher it picks (the test operands are all TMA-aligned).
+#: The plain grouped kernel's ``tma`` -> the launcher it picks (the test operands are all
+#: TMA-aligned); the upcast kernel's is its ``TMA`` constexpr.
 TMA_LAUNCHERS = {0: "_GROUPED", 1: "_GROUPED_TMA"}
 
 
@@ -112,10 +113,13 @@ def _check_launched(launches, config):
     (the interpreter counts 2 SMs)."""
     kwargs = launches[-1]
     fields = dataclasses.asdict(config)
-    if "tma" in fields:
-        fields["tma"] = TMA_LAUNCHERS[fields["tma"]]
-    assert {LAUNCH_KEYWORDS[f]: v for f, v in fields.items() if f != "per_sm"} == {
-        LAUNCH_KEYWORDS[f]: kwargs[LAUNCH_KEYWORDS[f]] for f in fields if f != "per_sm"
+    keywords = dict(LAUNCH_KEYWORDS)
+    if isinstance(config, launch.GroupedConfig):
+        fields["tma"], keywords["tma"] = TMA_LAUNCHERS[fields["tma"]], "_launcher"
+    elif "tma" in fields:
+        fields["tma"] = bool(fields["tma"])
+    assert {keywords[f]: v for f, v in fields.items() if f != "per_sm"} == {
+        keywords[f]: kwargs[keywords[f]] for f in fields if f != "per_sm"
     }
     assert kwargs["NUM_PROGS"] <= 2 * fields.get("per_sm", 1)
 
@@ -190,6 +194,25 @@ def test_mx_every_config_matches_float64(name, op, path, gen, launches):
             assert got is out
             assert torch.isfinite(got).all(), f"unwritten (NaN-poisoned) outputs with {config}"
             assert sqnr_db(got, want) >= MIN_SQNR, config
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tma", [1, 0], ids=["tma", "pointer_loads"])
+def test_upcast_activation_loads_on_an_unaligned_activation(tma, gen, launches):
+    """a16w4 on an activation whose base is not 16-byte aligned (a view one element into its
+    storage): a ``tma`` config falls back to pointer loads (TMA cannot describe it), and
+    both give the float64 result of the quantized weight."""
+    m, g = sum(SPLITS), len(SPLITS)
+    x = torch.randn(m * K + 1, generator=gen).to(torch.bfloat16)[1:].view(m, K)
+    assert x.data_ptr() % 16 and not launch.describable(x)
+    w = quantize_mx_weight(torch.randn(g, N, K, generator=gen), "e2m1", op="fwd")
+    want = ref_fwd(x, w.dequantize(torch.float64), SPLITS)
+    config = dataclasses.replace(launch.upcast_config(m, g, "e2m1"), tma=tma)
+    problem = _problem(x, w, "fwd", "a16w4", _out("fwd"))
+    out = _out("fwd")
+    got = TritonMxfp4Backend().run_config(problem, GroupedInputs(x, w, tuple(SPLITS), out), dataclasses.asdict(config))
+    assert launches[-1]["TMA"] is False
+    assert rel_error(got, want) < FP32_OUT_TOL
 
 
 # ---- run_config: refused configs -----------------------------------------------------------
@@ -296,7 +319,8 @@ def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows
     measured = {"stages": 3} if e2m1.small else measured  # the two-height tile's own measured stages
     if e2m1.warps == 8:  # E2M1's four-block compute tiles: E4M3 keeps its two-block ones
         assert e2m1.blocks == 4 and default.blocks == 2
-        assert default in (launch.TWO_PROGRAM_TILE, launch.TWO_BLOCK_TILE)
+        tiles = (launch.TWO_PROGRAM_TILE, launch.TWO_BLOCK_TILE)
+        assert default in [dataclasses.replace(t, tma=e2m1.tma) for t in tiles]
     else:
         assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2), **measured)
     assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)

@@ -106,8 +106,9 @@ def ptx_decode(device: torch.device) -> bool:
 @dataclasses.dataclass(frozen=True)
 class UpcastConfig:
     """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 32-blocks per
-    contraction step (2 or 4), warps, pipeline stages, programs per SM, and the row height
-    of groups of at most ``small`` rows (0: every group gets ``bm``-row tiles)."""
+    contraction step (2 or 4), warps, pipeline stages, programs per SM, the row height
+    of groups of at most ``small`` rows (0: every group gets ``bm``-row tiles), and ``tma``:
+    1 to fetch the activations through tensor descriptors where ``describable``."""
 
     bm: int
     bn: int
@@ -116,6 +117,7 @@ class UpcastConfig:
     stages: int
     per_sm: int
     small: int = 0
+    tma: int = 0
 
     def heights_ok(self) -> bool:
         """Whether the small-group height is off or below ``bm``."""
@@ -152,7 +154,7 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring) and its
     weight format."""
     if interpreted():
-        return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
+        return UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1, tma=1)
     return _upcast_default(m, groups, w_fmt)
 
 
@@ -189,7 +191,7 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
         if config.blocks > e4m3_max_blocks(config):
             # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
             # send them through shared memory: E4M3 keeps the tiles it was measured with.
-            return TWO_PROGRAM_TILE if config.bm == 128 else TWO_BLOCK_TILE
+            return dataclasses.replace(TWO_PROGRAM_TILE if config.bm == 128 else TWO_BLOCK_TILE, tma=config.tma)
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
@@ -235,8 +237,8 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     # (256) 0.88x on 256 x 128 against 0.78x for its two-block form, dsv3 gate-up (512)
     # 0.85x against 0.68x; skewed qwen3-30B 0.79x (128 x 128: 0.83x) against 0.71x.
     if mean_rows <= 160:
-        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
-    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1)
+        return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
+    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
 
 
 _Config = TypeVar("_Config")
@@ -261,29 +263,37 @@ def _upcast_plan(
     small_scales: bool,
     device: torch.device,
     config: UpcastConfig | None,
-) -> tuple[int, dict[str, Any]]:
-    """(programs, constexprs and options) of an upcast launch, worked out once per shape and
-    tile and then looked up (a dozen calls and a dict otherwise: ~3.5 us of host time a launch
-    on the dev CPU, issue 14). ``interp`` keys on ``interpreted()``, which tests patch."""
+) -> tuple[int, dict[str, Any], tuple[list[int], list[int]]]:
+    """(programs, constexprs and options, the activation blocks of the ``bm``- and
+    ``small``-row tiles) of an upcast launch, worked out once per shape and tile and then
+    looked up (a dozen calls and a dict otherwise: ~3.5 us of host time a launch on the dev
+    CPU, issue 14). ``interp`` keys on ``interpreted()``, which tests patch."""
     cfg = config or upcast_config(m, groups, w_fmt)
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
-    return programs, {
-        "BM": cfg.bm,
-        "SMALL": cfg.small,
-        "BN": cfg.bn,
-        "BLOCKS": cfg.blocks,
-        "MAX_G": max_groups_bucket(groups),
-        "NUM_PROGS": programs,
-        "EVEN_K": k_red % (32 * cfg.blocks) == 0,
-        "PTX": ptx_decode(device),
-        "FOLD": small_scales,
-        "W_FMT": w_fmt,
-        "PAIRED": paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
-        "INTERP": interp,
-        "num_warps": cfg.warps,
-        "num_stages": cfg.stages,
-        "maxnreg": cfg.max_registers(),
-    }
+    step = 32 * cfg.blocks
+    blocks = ([cfg.bm, step], [cfg.small or cfg.bm, step])
+    return (
+        programs,
+        {
+            "BM": cfg.bm,
+            "SMALL": cfg.small,
+            "BN": cfg.bn,
+            "BLOCKS": cfg.blocks,
+            "MAX_G": max_groups_bucket(groups),
+            "NUM_PROGS": programs,
+            "EVEN_K": k_red % (32 * cfg.blocks) == 0,
+            "PTX": ptx_decode(device),
+            "FOLD": small_scales,
+            "W_FMT": w_fmt,
+            "PAIRED": paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
+            "TMA": bool(cfg.tma),
+            "INTERP": interp,
+            "num_warps": cfg.warps,
+            "num_stages": cfg.stages,
+            "maxnreg": cfg.max_registers(),
+        },
+        blocks,
+    )
 
 
 def launch_upcast(
@@ -294,14 +304,23 @@ def launch_upcast(
     groups: int,
     config: UpcastConfig | None = None,
 ) -> torch.Tensor:
-    """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight."""
-    programs, constexprs = _upcast_plan(
+    """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight;
+    the activations through tensor descriptors when the config asks and ``describable(a)``."""
+    programs, constexprs, blocks = _upcast_plan(
         interpreted(), a.shape[0], groups, w.fmt, w.rows, w.k_red, w.small_scales, a.device, config
     )
+    a_big = a_small = a
+    if constexprs["TMA"]:
+        if describable(a):
+            a_big = TensorDescriptor.from_tensor(a, blocks[0])
+            a_small = a_big if blocks[1] == blocks[0] else TensorDescriptor.from_tensor(a, blocks[1])
+        else:
+            constexprs = {**constexprs, "TMA": False}
     _UPCAST(
         (programs,),
-        a,
+        a_big,
         a.stride(0),
+        a_small,
         w.data,
         *w.strides[:3],
         w.scales,
@@ -371,17 +390,20 @@ def _tma_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def describable(t: torch.Tensor) -> bool:
+    """Whether a 16-bit tensor can be read through a tensor descriptor: a chip with TMA (or
+    Triton's interpreter, which reads descriptors in software), a unit last stride, a
+    16-byte aligned base and other strides (TMA's rules; the backends' alignment of N and K
+    makes them hold for contiguous operands, a sliced one may break them)."""
+    if not (interpreted() or _tma_device(t.device)) or t.element_size() != 2:
+        return False
+    *outer, last = t.stride()
+    return last == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in outer)
+
+
 def tma_runs(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``a`` (M, k) and ``w`` (G, N, K) can be read through tensor descriptors: a
-    chip with TMA (or Triton's interpreter, which reads them in software), 16-bit
-    elements, unit last strides, 16-byte aligned bases and other strides (TMA's rules; the
-    backend's alignment of N and K makes them hold for contiguous operands, a sliced one
-    may break them)."""
-    if not (interpreted() or _tma_device(a.device)) or a.element_size() != 2 or w.element_size() != 2:
-        return False
-    if a.stride(1) != 1 or w.stride(2) != 1 or a.data_ptr() % 16 or w.data_ptr() % 16:
-        return False
-    return a.stride(0) % 8 == 0 and w.stride(0) % 8 == 0 and w.stride(1) % 8 == 0
+    """Whether both operands of the plain grouped kernel are ``describable``."""
+    return describable(a) and describable(w)
 
 
 def launch_grouped(
@@ -808,7 +830,7 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
     weight format (E4M3: at most ``e4m3_max_blocks`` a step)."""
     d = _upcast_default(m, groups, w_fmt)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16)}
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16), "tma": (0, 1)}
     space = _neighbours(
         d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)}, lambda c: c.smem_bytes(w_fmt)
     )

@@ -12,6 +12,11 @@ The same kernel serves fwd (weight quantized along K) and dgrad (weight quantize
 laid out as (K, N)): only the layout differs. ``W_FMT`` picks the weight format: E2M1
 (``layouts``: int32 words of eight codes) or E4M3 (``layouts_e4m3``: int64 words of eight
 bytes at the same fragment positions, so everything but the decode is shared).
+
+With ``TMA`` the activations come through tensor descriptors instead (``A`` of ``BM``-row
+blocks, ``A_SMALL`` of ``SMALL``-row ones; sm_90 and newer): the copy engine zero-fills
+the contraction tail and rows past M, and a tile that runs into the next group's rows only
+feeds output rows the masked store leaves out. With pointer loads ``A_SMALL`` is unused.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.const
 def _step(
     acc,
     k,
-    a_rows,
+    a_src,
+    a_row,
     w_rows,
     stride_wr,
     s_rows,
@@ -78,11 +84,13 @@ def _step(
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
     PAIRED: tl.constexpr,
+    TMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
     so inside the zero-padded layout): decode the weight tile in registers, load the
-    activations, accumulate ``W . a^T``. Every 32-block is decoded with its own row scales
+    activations (``a_src``: row pointers, or with ``TMA`` a descriptor read at row
+    ``a_row``), accumulate ``W . a^T``. Every 32-block is decoded with its own row scales
     and the blocks are concatenated along K; loads, splits and joins all stay in the wgmma
     operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
     BK: tl.constexpr = 32 * BLOCKS
@@ -135,9 +143,12 @@ def _step(
         w = _concat_k(
             w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD, W_FMT), _block(w3, run_scales, 3, PTX, FOLD, W_FMT))
         )
-    kk = k + tl.arange(0, BK)
-    x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
-    x = tl.load(a_rows[None, :] + kk[:, None], mask=x_ok, other=0.0)
+    if TMA:
+        x = a_src.load([a_row, k]).T
+    else:
+        kk = k + tl.arange(0, BK)
+        x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
+        x = tl.load(a_src[None, :] + kk[:, None], mask=x_ok, other=0.0)
     return bf16_dot(w, x, acc, INTERP)
 
 
@@ -160,15 +171,20 @@ def _tile(
     ROWS: tl.constexpr,
     BK: tl.constexpr,
     config,
+    TMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One output tile: ``ROWS`` token rows from ``row0`` of the group (rows from
-    ``start``, ``count`` of them) by the weight rows ``rn``, contracted over ``k_red``."""
+    ``start``, ``count`` of them) by the weight rows ``rn``, contracted over ``k_red``;
+    ``A`` is the activation tensor, or with ``TMA`` its descriptor of ``ROWS``-row blocks."""
     rm = row0 + tl.arange(0, ROWS)
     m_ok = rm < count
-    a_rows = A + (start + rm).to(tl.int64) * stride_am
+    if TMA:
+        a_src = A
+    else:
+        a_src = A + (start + rm).to(tl.int64) * stride_am
     acc = tl.zeros((rn.shape[0], ROWS), dtype=tl.float32)
-    tile = (a_rows, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
+    tile = (a_src, start + row0, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
     acc = contract(_step, acc, 0, k_red, BK, tile, config, INTERP)
     out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
@@ -178,6 +194,7 @@ def _tile(
 def upcast_grouped_kernel(
     A,
     stride_am,
+    A_SMALL,
     W,
     stride_wg,
     stride_wn,
@@ -202,6 +219,7 @@ def upcast_grouped_kernel(
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
     PAIRED: tl.constexpr,
+    TMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """``NUM_PROGS`` programs walk the tiles of all groups, every ``NUM_PROGS``-th each.
@@ -219,11 +237,22 @@ def upcast_grouped_kernel(
         n_ok = rn < n_out
         w_rows = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wn
         s_rows = S + g.to(tl.int64) * stride_sg + rn
-        head = (A, stride_am, w_rows, stride_wr, s_rows, stride_sk, Out, stride_om, start, count, row0, rn, n_ok)
+        tail = (w_rows, stride_wr, s_rows, stride_sk, Out, stride_om, start, count, row0, rn, n_ok, k_red)
+        # The step's constexprs go as a tuple literal: a tuple bound to a name would be
+        # converted to tensors, which W_FMT (a string) cannot be.
         if SMALL == 0:
-            _tile(*head, k_red, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
+            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP), TMA, INTERP)
         elif count <= SMALL:
-            _tile(*head, k_red, SMALL, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
+            _tile(
+                A_SMALL,
+                stride_am,
+                *tail,
+                SMALL,
+                BK,
+                (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP),
+                TMA,
+                INTERP,
+            )
         else:
-            _tile(*head, k_red, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, INTERP), INTERP)
+            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP), TMA, INTERP)
         t += NUM_PROGS
