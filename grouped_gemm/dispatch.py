@@ -134,8 +134,8 @@ def decide(problem: Problem, call_order: config.Order | None = None) -> tuple[De
         )
         if source == "autotune":
             decision = autotune.TUNER.apply(decision)
-        if decision.selected is None:
-            break
+        if decision.selected is None or not problem.device.detected:
+            break  # a described device runs nothing here: there is nothing to prepare for
         reasons = prepared_reasons(evaluated[decision.selected][0], problem)
         if not reasons:
             break
@@ -213,9 +213,11 @@ class Dispatcher:
         if problem.m != call.m:  # another M of the same bucket: same route, its own Problem
             problem = routed.by_m.get(call.m)
             if problem is None:
-                problem = routed.by_m[call.m] = dataclasses.replace(routed.problem, m=call.m)
-                if len(routed.by_m) > MAX_PROBLEMS_PER_ROUTE:
-                    del routed.by_m[next(iter(routed.by_m))]
+                problem = dataclasses.replace(routed.problem, m=call.m)
+                with self._lock:  # threads adding M at once must not evict the same oldest one
+                    routed.by_m[call.m] = problem
+                    while len(routed.by_m) > MAX_PROBLEMS_PER_ROUTE:
+                        del routed.by_m[next(iter(routed.by_m))]
             routed.problem = problem
         chosen = routed.backend
         if chosen is None:

@@ -170,6 +170,7 @@ def fwd_or_dgrad(
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
     if device.type == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
         check_operand_kind(_tensor_operands(a_arg, a, w))
+        raise DeviceMismatchError(a_arg, a, META_REFUSAL)  # both MXTensors: no plain tensor to name
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
@@ -227,6 +228,8 @@ def wgrad(
     if x.device != device:
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
     check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
+    if device.type == "meta":  # both MXTensors (a plain meta operand was refused just above)
+        raise DeviceMismatchError("dy", dy, META_REFUSAL)
     groups = group_count(m_splits)
     splits, host = splits_operand(m_splits, groups, m, "dy", device)
     if isinstance(dy, MXTensor) or isinstance(x, MXTensor):
@@ -264,6 +267,10 @@ def wgrad(
     return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits), capturing))
 
 
+#: Why a meta operand is refused (plain or MX).
+META_REFUSAL = "a tensor with data (CPU or GPU); meta tensors have none"
+
+
 def _unusual(t: Any) -> bool:
     """Whether ``check_operand_kind`` has something to look at: a tensor that requires grad
     or is not dense (an MXTensor holds dense tensors that do not)."""
@@ -271,9 +278,10 @@ def _unusual(t: Any) -> bool:
 
 
 def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every plain-tensor operand: ``a``, and ``w`` or each of its list."""
-    pairs = [(a_arg, a), *(("w", t) for t in (w if isinstance(w, list) else [w]))]
-    return [(name, t) for name, t in pairs if isinstance(t, torch.Tensor)]
+    """(name, tensor) of every plain-tensor operand: ``a``, and ``w`` or each ``w[i]`` of
+    its list (an error names the group's weight at fault)."""
+    weights = [(f"w[{i}]", t) for i, t in enumerate(w)] if isinstance(w, list) else [("w", w)]
+    return [(name, t) for name, t in [(a_arg, a), *weights] if isinstance(t, torch.Tensor)]
 
 
 # ---- operands -----------------------------------------------------------------------------
@@ -307,7 +315,7 @@ def check_operand_kind(pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         if t.layout is not torch.strided:
             raise InvalidArgumentError(name, t, f"a dense (strided) tensor, got layout {t.layout}; call .to_dense()")
         if t.device.type == "meta":
-            raise DeviceMismatchError(name, t, "a tensor with data (CPU or GPU); meta tensors have none")
+            raise DeviceMismatchError(name, t, META_REFUSAL)
         if t.requires_grad and torch.is_grad_enabled():
             raise InvalidArgumentError(
                 name,
@@ -487,6 +495,7 @@ def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str,
         raise DeviceMismatchError("out", out, f"a tensor on {device}, like the operands")
     if not out.is_contiguous():
         raise InvalidArgumentError("out", out, "a contiguous tensor")
+    _check_out_grad("out", out)
     check_no_overlap([out], operands)
 
 
@@ -504,12 +513,23 @@ def wgrad_out(
         strided = next((i for i, t in enumerate(out) if not t.is_contiguous()), None)
         if strided is not None:
             raise InvalidArgumentError(f"out[{strided}]", out[strided], "a contiguous tensor, like every group's out")
+        for i, t in enumerate(out):
+            _check_out_grad(f"out[{i}]", t)
         check_no_overlap(out, operands)
     else:
         check_out(out, (groups, n, k), device, "(G, N, K)", operands)
     if accumulate and out is None:
         raise InvalidArgumentError("accumulate", True, "accumulate=True needs out= (the buffer to add into)")
     return out, is_list
+
+
+def _check_out_grad(name: str, out: torch.Tensor) -> None:
+    """An ``out`` buffer is written in place: one that requires grad (with grad mode on)
+    would fail inside the backend, so it is refused here, naming the buffer."""
+    if out.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgumentError(
+            name, out, "a buffer that does not require grad: the functional grouped GEMMs write out= in place"
+        )
 
 
 def out_dtype_name(out_dtype: torch.dtype | None, out: Any, default: torch.dtype) -> str:

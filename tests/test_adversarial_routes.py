@@ -1,8 +1,7 @@
-"""Adversarial cases against the seventh session's changes (7c1cfe7..d918dab): the per-M
-Problems of a cached route (``_Routed.by_m``), the weight-list and MX fast paths of
-validation, and what the meta-device test still lets through.
-
-Each test fails on d918dab and names the expected behaviour; CPU only, small shapes.
+"""Adversarial cases for the call path's fast paths: the per-M Problems of a cached route
+(``_Routed.by_m``) under concurrent calls, the weight-list and MX fast paths of validation
+(the error names the weight at fault; MX operands on the meta device), and an ``out=``
+buffer that requires grad. Each failed before its fix (d918dab); CPU only, small shapes.
 """
 
 from __future__ import annotations
