@@ -413,6 +413,18 @@ def test_a_backend_that_cannot_prepare_gives_way_to_the_next(args, trio, answer,
     assert "hi" in decision.table() and f"[{code}]" in decision.table()
 
 
+def test_a_described_device_prepares_nothing(args, trio):
+    """``explain`` of a described problem (a device that is not here) decides without
+    preparing: a build for that chip would be for hardware this process cannot run on."""
+    _preparing(trio["hi"], [gg.Reason("build", "would build for the described chip")])
+    decision = gg.explain(groups=3, m=12, n=4, k=8, recipe="fp32", device="cpu")
+    assert not decision.problem.device.detected
+    assert decision.selected == "hi" and trio["hi"].prepared == 0
+    x, w, s = args
+    assert rel_error(gg.grouped_gemm(x, w, s), ref_fwd(x, w, s)) < 1e-6
+    assert trio["hi"].prepared == 1 and trio["hi"].runs == 0  # a real call prepares: it gives way
+
+
 def test_a_named_backend_that_cannot_prepare_is_a_fallback(args, trio):
     """The preferred backend's preparation failing is reported like any skip: it warns (when
     switched on) and names the reason."""

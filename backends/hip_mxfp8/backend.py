@@ -75,9 +75,11 @@ class HipMxfp8Backend(Backend):
         """Build the kernels for this GPU's arch (compiled once per machine into the cache,
         then loaded): only when this backend is about to run, not on every decision (a first
         mxfp8 call on an H200 waited for this build although ``triton_mxfp8`` ran it)."""
-        if not _builds_here(problem) or problem.capturing or build.result(problem.device.arch) is not None:
+        if not _builds_here(problem) or problem.capturing:
             return []  # check() has reported what is known
-        outcome = build.ensure(problem.device.arch, problem.device.vendor)
+        # A known outcome is answered as it is: another thread's build may have failed
+        # between this decision's check() and now.
+        outcome = build.result(problem.device.arch) or build.ensure(problem.device.arch, problem.device.vendor)
         return [] if outcome.ok else [_build_reason(outcome)]
 
     def priority(self, problem: Problem) -> int:
