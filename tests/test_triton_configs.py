@@ -87,21 +87,17 @@ LAUNCH_KEYWORDS = {
     "small": "SMALL",
     "tma": "TMA",
 }
-#: The plain grouped kernel's ``tma`` -> the launcher it picks (the test operands are all
-#: TMA-aligned); the upcast kernel's is its ``TMA`` constexpr.
-TMA_LAUNCHERS = {0: "_GROUPED", 1: "_GROUPED_TMA"}
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The keywords of every kernel launch (the cached launchers, spied on), and under
-    ``_launcher`` which launcher took it."""
+    """The keywords of every kernel launch (the cached launchers, spied on)."""
     seen = []
-    for attr in ("_GROUPED", "_GROUPED_TMA", "_UPCAST", "_SCALED", "_WGRAD"):
+    for attr in ("_GROUPED", "_UPCAST", "_SCALED", "_WGRAD"):
         real = getattr(launch, attr)
 
-        def spy(grid, *args, real=real, attr=attr, **kwargs):
-            seen.append({**kwargs, "_launcher": attr})
+        def spy(grid, *args, real=real, **kwargs):
+            seen.append(kwargs)
             return real(grid, *args, **kwargs)
 
         monkeypatch.setattr(launch, attr, spy)
@@ -113,13 +109,10 @@ def _check_launched(launches, config):
     (the interpreter counts 2 SMs)."""
     kwargs = launches[-1]
     fields = dataclasses.asdict(config)
-    keywords = dict(LAUNCH_KEYWORDS)
-    if isinstance(config, launch.GroupedConfig):
-        fields["tma"], keywords["tma"] = TMA_LAUNCHERS[fields["tma"]], "_launcher"
-    elif "tma" in fields:
+    if "tma" in fields:  # the test operands are all TMA-aligned: the flag reaches the kernel
         fields["tma"] = bool(fields["tma"])
-    assert {keywords[f]: v for f, v in fields.items() if f != "per_sm"} == {
-        keywords[f]: kwargs[keywords[f]] for f in fields if f != "per_sm"
+    assert {LAUNCH_KEYWORDS[f]: v for f, v in fields.items() if f != "per_sm"} == {
+        LAUNCH_KEYWORDS[f]: kwargs[LAUNCH_KEYWORDS[f]] for f in fields if f != "per_sm"
     }
     assert kwargs["NUM_PROGS"] <= 2 * fields.get("per_sm", 1)
 

@@ -8,8 +8,8 @@ their ``contraction.contract``; the step is a masked load of both tiles and one 
 into fp32, so any N and K give the right answer (the backend's alignment is about fast
 loads, not correctness).
 
-``grouped_tma_kernel`` is the same loop with both tiles fetched by the copy engine (TMA
-tensor descriptors, sm_90 and newer): no address arithmetic or masks in the loop, and
+With ``TMA`` the same loop fetches both tiles by the copy engine (tensor descriptors, sm_90
+and newer): no address arithmetic or masks in the loop, and
 Triton pipelines the copies with barriers instead of ``cp.async``. A descriptor zero-fills
 what lies past its tensor's edges, which covers the contraction tail and the last rows of
 ``a``; an activation tile that runs past its group reads the next group's rows, which only
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
 from grouped_gemm.backends.triton_mx.decode import bf16_dot
-from grouped_gemm.backends.triton_mx.schedule import group_table, locate, locate_first
+from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
 
 
 @triton.jit
@@ -59,48 +59,6 @@ def _step(
 
 
 @triton.jit
-def grouped_kernel(
-    A,
-    stride_am,
-    W,
-    stride_wg,
-    stride_wc,
-    stride_wo,
-    Out,
-    stride_om,
-    Splits,
-    num_groups,
-    n_out,
-    k_red,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    MAX_G: tl.constexpr,
-    NUM_PROGS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    INTERP: tl.constexpr,
-):
-    """``NUM_PROGS`` programs walk the tiles of all groups; ``A`` and ``Out`` have unit column
-    strides, ``W`` is addressed by group, contraction and output-column strides."""
-    col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
-    total = tl.sum(tiles, 0)
-    t = tl.program_id(0)
-    while t < total:
-        g, start, count, rm, rn = locate(t, gi, starts, rows, tiles, tile_end, BM, BN)
-        m_ok = rm < count
-        n_ok = rn < n_out
-        a_rows = A + (start + rm).to(tl.int64) * stride_am
-        w_cols = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wo
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        tile = (a_rows, w_cols, stride_wc, m_ok, n_ok, k_red)
-        acc = contract(_step, acc, 0, k_red, BK, tile, (BK, EVEN_K, INTERP), INTERP)
-        out = Out + (start + rm).to(tl.int64)[:, None] * stride_om + rn[None, :]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-        t += NUM_PROGS
-
-
-@triton.jit
 def _tma_step(
     acc,
     k,
@@ -127,9 +85,13 @@ def _tma_step(
 
 
 @triton.jit
-def grouped_tma_kernel(
-    a_desc,
-    w_desc,
+def grouped_kernel(
+    A,
+    stride_am,
+    W,
+    stride_wg,
+    stride_wc,
+    stride_wo,
     Out,
     stride_om,
     Splits,
@@ -141,22 +103,34 @@ def grouped_tma_kernel(
     BK: tl.constexpr,
     MAX_G: tl.constexpr,
     NUM_PROGS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
     TRANSPOSE_W: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """``grouped_kernel`` reading ``a`` (M, k_red) and ``w`` (G, N, K) through tensor
-    descriptors of blocks (BM, BK) and (1, BN, BK) (fwd) or (1, BK, BN) (dgrad)."""
+    """``NUM_PROGS`` programs walk the tiles of all groups; ``A`` and ``Out`` have unit column
+    strides, ``W`` is addressed by group, contraction and output-column strides. With
+    ``TMA``, ``A`` and ``W`` are tensor descriptors of blocks (BM, BK) and (1, BN, BK) (fwd,
+    ``TRANSPOSE_W``) or (1, BK, BN) (dgrad), and the strides are unused."""
     col_tiles = tl.cdiv(n_out, BN)
     gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
         g, start, count, row0, col = locate_first(t, gi, starts, rows, tiles, tile_end, BM, 0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        tile = (a_desc, w_desc, start + row0, g, col * BN)
-        acc = contract(_tma_step, acc, 0, k_red, BK, tile, (BM, BN, BK, TRANSPOSE_W, INTERP), INTERP)
         rm = row0 + tl.arange(0, BM)
         rn = col * BN + tl.arange(0, BN)
+        m_ok = rm < count
+        n_ok = rn < n_out
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TMA:
+            tile = (A, W, start + row0, g, col * BN)
+            acc = contract(_tma_step, acc, 0, k_red, BK, tile, (BM, BN, BK, TRANSPOSE_W, INTERP), INTERP)
+        else:
+            a_rows = A + (start + rm).to(tl.int64) * stride_am
+            w_cols = W + g.to(tl.int64) * stride_wg + rn.to(tl.int64) * stride_wo
+            tile = (a_rows, w_cols, stride_wc, m_ok, n_ok, k_red)
+            acc = contract(_step, acc, 0, k_red, BK, tile, (BK, EVEN_K, INTERP), INTERP)
         out = Out + (start + rm).to(tl.int64)[:, None] * stride_om + rn[None, :]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=(rm < count)[:, None] & (rn < n_out)[None, :])
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         t += NUM_PROGS

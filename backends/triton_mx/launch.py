@@ -27,7 +27,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     dequant_kernel,
     quantize_decode_kernel,
 )
-from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel, grouped_tma_kernel
+from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.backends.triton_mx.scaled_kernel import block_k_for, scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
@@ -45,8 +45,6 @@ _QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)
 _DEQUANT = CachedLauncher(dequant_kernel)
 _WGRAD = CachedLauncher(wgrad_grouped_kernel)
 _GROUPED = CachedLauncher(grouped_kernel)
-# Tensor-descriptor arguments are not modelled by the cached launcher: Triton's own path.
-_GROUPED_TMA = CachedLauncher(grouped_tma_kernel)
 
 
 def interpreted() -> bool:
@@ -421,50 +419,38 @@ def launch_grouped(
     n_out, k_red = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
     cfg = config or _grouped_config(m, groups)
     programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
-    common = {
-        "BM": cfg.bm,
-        "BN": cfg.bn,
-        "BK": cfg.bk,
-        "MAX_G": max_groups_bucket(groups),
-        "NUM_PROGS": programs,
-        "INTERP": interpreted(),
-        "num_warps": cfg.warps,
-        "num_stages": cfg.stages,
-    }
-    if cfg.tma and tma_runs(a, w):
+    tma = bool(cfg.tma) and tma_runs(a, w)
+    if tma:  # descriptors in place of the pointers; the strides are unused (Triton's launch path)
         w_block = [1, cfg.bn, cfg.bk] if transpose_w else [1, cfg.bk, cfg.bn]
-        _GROUPED_TMA(
-            (programs,),
-            TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]),
-            TensorDescriptor.from_tensor(w, w_block),
-            out,
-            out.stride(0),
-            splits,
-            groups,
-            n_out,
-            k_red,
-            TRANSPOSE_W=transpose_w,
-            **common,
-        )
-        return out
-    # Weight strides as (group, contraction, output column).
-    stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
+        a_arg, w_arg = TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, w_block)
+        strides = (0, 0, 0, 0)
+    else:
+        # Weight strides as (group, contraction, output column).
+        stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
+        a_arg, w_arg, strides = a, w, (a.stride(0), w.stride(0), stride_wc, stride_wo)
     _GROUPED(
         (programs,),
-        a,
-        a.stride(0),
-        w,
-        w.stride(0),
-        stride_wc,
-        stride_wo,
+        a_arg,
+        strides[0],
+        w_arg,
+        *strides[1:],
         out,
         out.stride(0),
         splits,
         groups,
         n_out,
         k_red,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        BK=cfg.bk,
+        MAX_G=max_groups_bucket(groups),
+        NUM_PROGS=programs,
         EVEN_K=k_red % cfg.bk == 0,
-        **common,
+        TMA=tma,
+        TRANSPOSE_W=tma and transpose_w,  # pointer loads get it from the strides: one compile for both ops
+        INTERP=interpreted(),
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
     return out
 
