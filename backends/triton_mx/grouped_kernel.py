@@ -9,8 +9,8 @@ into fp32, so any N and K give the right answer (the backend's alignment is abou
 loads, not correctness).
 
 With ``TMA`` the same loop fetches both tiles by the copy engine (tensor descriptors, sm_90
-and newer): no address arithmetic or masks in the loop, and
-Triton pipelines the copies with barriers instead of ``cp.async``. A descriptor zero-fills
+and newer): no address arithmetic or masks in the loop, and Triton pipelines the copies
+with barriers instead of ``cp.async``. A descriptor zero-fills
 what lies past its tensor's edges, which covers the contraction tail and the last rows of
 ``a``; an activation tile that runs past its group reads the next group's rows, which only
 reach accumulator rows the masked store leaves out. The weight descriptor is 3-D
