@@ -279,7 +279,7 @@ def _upcast_plan(
             "BLOCKS": cfg.blocks,
             "MAX_G": max_groups_bucket(groups),
             "NUM_PROGS": programs,
-            "EVEN_K": k_red % (32 * cfg.blocks) == 0,
+            "EVEN_K": k_red % step == 0,
             "PTX": ptx_decode(device),
             "FOLD": small_scales,
             "W_FMT": w_fmt,
