@@ -22,7 +22,13 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm import autotune, tuning_store
 from grouped_gemm.autotune import MAX_CONFIGS
-from grouped_gemm.backends.triton_mx import TritonGroupedBackend, TritonMxfp4Backend, TritonMxfp8Backend, launch
+from grouped_gemm.backends.triton_mx import (
+    TritonGroupedBackend,
+    TritonMxfp4Backend,
+    TritonMxfp8Backend,
+    launch,
+    layouts,
+)
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.inputs import GroupedInputs
@@ -206,6 +212,26 @@ def test_upcast_activation_loads_on_an_unaligned_activation(tma, gen, launches):
     got = TritonMxfp4Backend().run_config(problem, GroupedInputs(x, w, tuple(SPLITS), out), dataclasses.asdict(config))
     assert launches[-1]["TMA"] is False
     assert rel_error(got, want) < FP32_OUT_TOL
+
+
+@needs_interpreter
+def test_switching_the_ptx_decode_reaches_a_cached_launch_plan(gen, monkeypatch):
+    """The GPU tests and decode probes compare the PTX decode with the portable one by
+    switching ``launch.ptx_decode`` between two launches of one shape: the launch plans are
+    cached per shape, so they must key on it (the second launch otherwise reused the
+    first's ``PTX`` and the comparison compared a decode with itself)."""
+    seen = []
+    monkeypatch.setattr(launch, "_UPCAST", lambda grid, *args, **kwargs: seen.append(kwargs["PTX"]))
+    monkeypatch.setattr(launch, "_QUANTIZE_DECODE", lambda grid, *args, **kwargs: seen.append(kwargs["HW_E4M3"]))
+    m, g = sum(SPLITS), len(SPLITS)
+    x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+    w = layouts.build_upcast_weight(quantize_mx_weight(torch.randn(g, N, K, generator=gen), "e2m1", op="fwd"))
+    sizes = torch.tensor(SPLITS, dtype=torch.int32)
+    for ptx in (False, True, False):
+        monkeypatch.setattr(launch, "ptx_decode", lambda _device, ptx=ptx: ptx)
+        launch.launch_upcast(x, w, sizes, _out("fwd"), g)
+        launch.quantize_decode(x, "e4m3", "rceil")
+    assert seen == [False, False, True, True, False, False]
 
 
 # ---- run_config: refused configs -----------------------------------------------------------

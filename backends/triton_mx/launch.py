@@ -90,15 +90,17 @@ def _persistent_programs(
 
 
 @functools.cache
+def _sm90_or_newer(device: torch.device) -> bool:
+    """A CUDA (not ROCm) device of compute capability 9.0+, the chips of the PTX decode and
+    of TMA. Once per device: the capability query is host time on every launch otherwise
+    (issue 14)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def ptx_decode(device: torch.device) -> bool:
-    """Whether the sm_90 PTX decode applies: a CUDA (not ROCm) device of compute capability 9.0+.
-    Once per device: the capability query is host time on every launch otherwise (issue 14)."""
-    return (
-        device.type == "cuda"
-        and not interpreted()
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
+    """Whether the sm_90 PTX decode applies: compiled code on ``_sm90_or_newer``. Launch plans
+    take it as a key (tests and probes switch it to time or check the portable decode)."""
+    return not interpreted() and _sm90_or_newer(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +255,7 @@ def _looked_up(config_fn: Callable[..., _Config]) -> Callable[..., _Config]:
 @functools.lru_cache(maxsize=256)
 def _upcast_plan(
     interp: bool,
+    ptx: bool,
     m: int,
     groups: int,
     w_fmt: str,
@@ -265,7 +268,8 @@ def _upcast_plan(
     """(programs, constexprs and options, the activation blocks of the ``bm``- and
     ``small``-row tiles) of an upcast launch, worked out once per shape and tile and then
     looked up (a dozen calls and a dict otherwise: ~3.5 us of host time a launch on the dev
-    CPU, issue 14). ``interp`` keys on ``interpreted()``, which tests patch."""
+    CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()`` and ``ptx_decode``, which
+    tests and probes switch."""
     cfg = config or upcast_config(m, groups, w_fmt)
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
     step = 32 * cfg.blocks
@@ -280,7 +284,7 @@ def _upcast_plan(
             "MAX_G": max_groups_bucket(groups),
             "NUM_PROGS": programs,
             "EVEN_K": k_red % step == 0,
-            "PTX": ptx_decode(device),
+            "PTX": ptx,
             "FOLD": small_scales,
             "W_FMT": w_fmt,
             "PAIRED": paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
@@ -305,7 +309,16 @@ def launch_upcast(
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight;
     the activations through tensor descriptors when the config asks and ``describable(a)``."""
     programs, constexprs, blocks = _upcast_plan(
-        interpreted(), a.shape[0], groups, w.fmt, w.rows, w.k_red, w.small_scales, a.device, config
+        interpreted(),
+        ptx_decode(a.device),
+        a.shape[0],
+        groups,
+        w.fmt,
+        w.rows,
+        w.k_red,
+        w.small_scales,
+        a.device,
+        config,
     )
     a_big = a_small = a
     if constexprs["TMA"]:
@@ -381,19 +394,12 @@ def _grouped_default(m: int, groups: int) -> GroupedConfig:
 _grouped_config = _looked_up(grouped_config)
 
 
-@functools.cache
-def _tma_device(device: torch.device) -> bool:
-    """Whether ``device`` has the copy engine tensor descriptors use: CUDA sm_90 and newer
-    (once per device, like ``ptx_decode``)."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def describable(t: torch.Tensor) -> bool:
     """Whether a 16-bit tensor can be read through a tensor descriptor: a chip with TMA (or
     Triton's interpreter, which reads descriptors in software), a unit last stride, a
     16-byte aligned base and other strides (TMA's rules; the backends' alignment of N and K
     makes them hold for contiguous operands, a sliced one may break them)."""
-    if not (interpreted() or _tma_device(t.device)) or t.element_size() != 2:
+    if not (interpreted() or _sm90_or_newer(t.device)) or t.element_size() != 2:
         return False
     *outer, last = t.stride()
     return last == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in outer)
@@ -561,7 +567,9 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
     decode's axis-1 tile)."""
     rows, cols = x.shape
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=x.device)
-    tile, constexprs = _quantize_decode_plan(interpreted(), fmt, scale_rule, x.dtype, x.device, tile)
+    tile, constexprs = _quantize_decode_plan(
+        interpreted(), ptx_decode(x.device), fmt, scale_rule, x.dtype, x.device, tile
+    )
     if rows and cols:
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         col_tiles = cdiv(cols, tile.bc)
@@ -572,10 +580,17 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
 
 @functools.lru_cache(maxsize=64)
 def _quantize_decode_plan(
-    interp: bool, fmt: str, scale_rule: str, dtype: torch.dtype, device: torch.device, tile: DequantTile | None
+    interp: bool,
+    hw_e4m3: bool,
+    fmt: str,
+    scale_rule: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tile: DequantTile | None,
 ) -> tuple[DequantTile, dict[str, Any]]:
     """The tile and the constexprs of a ``quantize_decode`` launch, worked out once per format,
-    rule, dtype and device (issue 14: the MX recipes run it before every sm_90 GEMM)."""
+    rule, dtype and device (issue 14: the MX recipes run it before every sm_90 GEMM); keyed
+    like ``_upcast_plan`` on ``interpreted()`` and ``ptx_decode`` (``hw_e4m3``)."""
     tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[1])
     if tile.bc % 32:
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
@@ -583,7 +598,7 @@ def _quantize_decode_plan(
     quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
     return tile, {
         "FMT": fmt,
-        "HW_E4M3": ptx_decode(device),
+        "HW_E4M3": hw_e4m3,
         "BR": tile.br,
         "BC": tile.bc,
         "num_warps": tile.warps,
