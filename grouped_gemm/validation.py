@@ -510,10 +510,9 @@ def wgrad_out(
             raise ShapeError("out", out[0], f"G={groups} tensors of shape (N, K)={(n, k)}")
         if out[0].device != device:
             raise DeviceMismatchError("out", out[0], f"a tensor on {device}, like the other operands")
-        strided = next((i for i, t in enumerate(out) if not t.is_contiguous()), None)
-        if strided is not None:
-            raise InvalidArgumentError(f"out[{strided}]", out[strided], "a contiguous tensor, like every group's out")
         for i, t in enumerate(out):
+            if not t.is_contiguous():
+                raise InvalidArgumentError(f"out[{i}]", t, "a contiguous tensor, like every group's out")
             _check_out_grad(f"out[{i}]", t)
         check_no_overlap(out, operands)
     else:

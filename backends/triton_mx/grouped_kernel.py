@@ -10,13 +10,12 @@ loads, not correctness).
 
 With ``TMA`` the same loop fetches both tiles by the copy engine (tensor descriptors, sm_90
 and newer): no address arithmetic or masks in the loop, and Triton pipelines the copies
-with barriers instead of ``cp.async``. A descriptor zero-fills
-what lies past its tensor's edges, which covers the contraction tail and the last rows of
-``a``; an activation tile that runs past its group reads the next group's rows, which only
-reach accumulator rows the masked store leaves out. The weight descriptor is 3-D
-(G, N, K), so a weight tile never reaches into the next group's weight. On the H200
-(2026-12-04, docs/performance.md) it ran 1.05-1.17x the pointer-load kernel at the
-128 x 256 tiles.
+with barriers instead of ``cp.async``. A descriptor zero-fills what lies past its tensor's
+edges, which covers the contraction tail and the last rows of ``a``; an activation tile
+that runs past its group reads the next group's rows, which only reach accumulator rows the
+masked store leaves out. The weight descriptor is 3-D (G, N, K), so a weight tile never
+reaches into the next group's weight. On the H200 (2026-12-04, docs/performance.md) it ran
+1.05-1.17x the pointer-load kernel at the 128 x 256 tiles.
 """
 
 from __future__ import annotations
