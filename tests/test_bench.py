@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_host_timing_cycles_sets_and_respects_bounds():
     assert set(seen) == {0, 1, 2} and seen[-8:] == [0, 1, 2, 0, 1, 2, 0, 1]  # 1 warm-up, 7 timed
 
 
-def test_rounds_rotate_who_goes_first_stagger_sets_and_isolate_a_failure():
+def test_rounds_spread_who_goes_first_warm_every_set_stagger_sets_and_isolate_a_failure():
     order: list[tuple[str, int]] = []
     calls = {"a": 0}
 
@@ -147,9 +148,35 @@ def test_rounds_rotate_who_goes_first_stagger_sets_and_isolate_a_failure():
     assert len(x.times_ms) == 6 and len(x.round_medians_ms) == 3 and x.error is None
     assert len(y.times_ms) == 6 and y.error is None
     assert isinstance(failed.error, RuntimeError) and "boom" in str(failed.error)
-    blocks = [name for name, _ in order[8:]]  # after each one's first call and 3 probe calls
-    assert blocks == ["x"] * 3 + ["y"] * 3 + ["y"] * 3 + ["x"] * 3 + ["x"] * 3 + ["y"] * 3
-    assert [i for name, i in order if name == "y"][:4] == [4, 4, 5, 0]  # y starts at set 2 * 6 // 3
+    # Each first runs once on every set, then 3 probe calls; the failing one's calls log nothing.
+    assert order[:9] == [("x", i) for i in (0, 1, 2, 3, 4, 5, 0, 1, 2)]
+    assert [i for name, i in order if name == "y"][:10] == [0, 1, 2, 3, 4, 5, 4, 5, 0, 4]  # y starts at set 2 * 6 // 3
+    blocks = [name for name, _ in order[18:]]
+    # Round r starts at r * live // rounds: x, y (the third failed in round 0); x, y; y, x.
+    assert blocks == ["x"] * 3 + ["y"] * 3 + ["x"] * 3 + ["y"] * 3 + ["y"] * 3 + ["x"] * 3
+
+
+def test_soak_runs_the_contenders_in_turn_for_its_time_and_isolates_a_failure():
+    class GpuClock:  # a GPU's clock without a GPU: only ``cuda`` and ``sync`` are used
+        cuda = True
+
+        def sync(self) -> None:
+            order.append(("sync", 0))
+
+    order: list[tuple[str, int]] = []
+
+    def broken(i: int) -> None:
+        raise RuntimeError("boom")
+
+    out = [timing.Timed() for _ in range(3)]
+    calls = [lambda i: order.append(("a", i)), broken, lambda i: (order.append(("b", i)), time.sleep(0.002))]
+    timing._soak(calls, [0, 1, 2], GpuClock(), 20.0, out)
+    names = [name for name, _ in order]
+    assert names[:3] == ["a", "b", "sync"] and names.count("a") == names.count("b") >= 2
+    assert isinstance(out[1].error, RuntimeError) and out[0].error is None and out[2].error is None
+    order.clear()
+    timing._soak(calls, [0, 2], timing.Clock(False), 20.0, out)  # the host's clock: no soak
+    assert order == []
 
 
 def test_ceilings_on_the_cpu():

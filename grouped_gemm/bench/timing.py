@@ -40,13 +40,15 @@ Call = Callable[[int], object]
 class TimingPlan:
     """Per contender: ``warmup_ms`` of calls before its first block (a quarter of it before
     the others), ``rep_ms`` of timed calls in all, split over ``rounds`` blocks, and
-    bounds on the number of timed calls in all."""
+    bounds on the number of timed calls in all; on a GPU, ``soak_ms`` of untimed calls of
+    every contender in turn before the first block (``time_in_rounds``)."""
 
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     min_reps: int = 5
     max_reps: int = 200
     rounds: int = 1
+    soak_ms: float = 300.0
 
     def block(self, per_call_ms: float, first: bool) -> tuple[int, int]:
         """(warm-up calls, timed calls) of one block for a call of ``per_call_ms``."""
@@ -72,7 +74,14 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
     """Time each contender in ``plan.rounds`` blocks, the contenders taking turns.
 
     Contender ``j`` starts its operand sets at ``j * (sets // n)`` so that one contender
-    does not read what the previous one left in cache.
+    does not read what the previous one left in cache. Before anything is timed each
+    contender runs once on every set (what a call builds once per operand, such as a
+    pre-quantized weight's layout, is then not in the first contender's estimate), and on
+    a GPU the contenders run in turn untimed for ``plan.soak_ms``, so that the first blocks
+    do not run at clocks the later ones no longer see. Round ``r`` starts at contender
+    ``r * n // rounds``, spreading who goes first and last evenly. (A sweep of ten tile
+    configs, three rounds, who goes first moving by one a round and no soak, timed its
+    first contender 10-20 % slow on the H200, whichever config stood there.)
     """
     clock = Clock(device.type == "cuda")
     n = len(calls)
@@ -81,7 +90,8 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
     estimates: dict[int, float] = {}
     for j in range(n):
         try:
-            calls[j](offsets[j] % sets[j])
+            for i in range(sets[j]):
+                calls[j](i)
             clock.sync()
             start = clock.stamp()
             for i in range(_PROBE_CALLS):
@@ -91,11 +101,14 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
             estimates[j] = clock.ms(start, end) / _PROBE_CALLS
         except CALL_ERRORS as exc:  # reported per contender; the others go on
             out[j].error = exc
-    for r in range(max(1, plan.rounds)):
+    _soak(calls, [j for j in estimates if out[j].error is None], clock, plan.soak_ms, out)
+    rounds = max(1, plan.rounds)
+    for r in range(rounds):
         live = [j for j in estimates if out[j].error is None]
         if not live:
             break
-        for j in live[r % len(live) :] + live[: r % len(live)]:
+        first = r * len(live) // rounds
+        for j in live[first:] + live[:first]:
             warmup, reps = plan.block(estimates[j], first=r == 0)
             stamps, host = [], []
             try:
@@ -117,6 +130,23 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
             out[j].host_us += host
             out[j].round_medians_ms.append(statistics.median(times))
     return out
+
+
+def _soak(calls: list[Call], live: list[int], clock: Clock, soak_ms: float, out: list[Timed]) -> None:
+    """On a GPU, the ``live`` contenders in turn, untimed, until ``soak_ms`` have passed."""
+    if not clock.cuda or soak_ms <= 0 or not live:
+        return
+    began = time.perf_counter()
+    while (time.perf_counter() - began) * 1e3 < soak_ms:
+        for j in live:
+            if out[j].error is None:
+                try:
+                    calls[j](0)
+                except CALL_ERRORS as exc:  # reported per contender; the others go on
+                    out[j].error = exc
+        clock.sync()
+        if all(out[j].error is not None for j in live):
+            return
 
 
 def time_calls(fn: Call, sets: int, device: torch.device, plan: TimingPlan) -> list[float]:
