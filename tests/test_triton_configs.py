@@ -234,6 +234,19 @@ def test_switching_the_ptx_decode_reaches_a_cached_launch_plan(gen, monkeypatch)
     assert seen == [False, False, True, True, False, False]
 
 
+def test_the_compiled_portable_decode_takes_pointer_loads():
+    """TMA with the compiled portable decode gave wrong sums on the H200 (four-block steps,
+    Triton 3.6): its plans drop TMA, while the PTX decode and the interpreter keep it."""
+    config = launch.UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
+    cpu = torch.device("cpu")
+
+    def tma(interp: bool, ptx: bool) -> bool:
+        return launch._upcast_plan(interp, ptx, 4096, 8, "e2m1", 512, 1024, True, cpu, config)[1]["TMA"]
+
+    assert tma(interp=False, ptx=True) and tma(interp=True, ptx=False)
+    assert not tma(interp=False, ptx=False)
+
+
 # ---- run_config: refused configs -----------------------------------------------------------
 
 
