@@ -19,7 +19,10 @@ The backend is called directly, not through dispatch, so each time is that kerne
 those tiles (quantization and layout work included). Before timing, every config runs once
 on the first operand set (compiling it) and is compared with the default config's result
 (``MAX_REL_VS_DEFAULT``); a config that fails or disagrees is reported and not timed. The
-default is the first config offered (the hooks put it first). ``--max-seconds`` stops
+default is the first config offered (the hooks put it first); it is timed a second time as
+the last contender, a control: ``default / control`` near 1 says the harness timed first
+and last alike (three H200 sweeps of 2026-12-04 had the first config 10-20 % behind
+whichever config stood fourth, by position). ``--max-seconds`` stops
 starting sweeps after that long and writes what it has.
 
 Run from the repository root on a GPU::
@@ -101,10 +104,12 @@ def config_label(config: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in config.items())
 
 
-def summarize(config_ms: list[float | None], peer_ms: float | None) -> dict[str, Any]:
+def summarize(config_ms: list[float | None], peer_ms: float | None, control_ms: float | None = None) -> dict[str, Any]:
     """Default (index 0) and best config of one sweep from their median ms (None: not
     timed), with the speedup of the best over the default and both against the peer
-    (``peer_ms / ms``: above 1 is faster than ``torch._grouped_mm``)."""
+    (``peer_ms / ms``: above 1 is faster than ``torch._grouped_mm``); ``control_ms``: the
+    default timed again as the last contender, and ``default_x_control`` its time over that
+    (1.0 where the harness treats first and last alike)."""
     timed = [(ms, i) for i, ms in enumerate(config_ms) if ms is not None and math.isfinite(ms)]
     if not timed:
         return {"default_ms": None, "best": None, "best_ms": None, "speedup": None, "x_peer": None}
@@ -117,6 +122,8 @@ def summarize(config_ms: list[float | None], peer_ms: float | None) -> dict[str,
         "speedup": default_ms / best_ms if default_ms else None,
         "x_peer": peer_ms / best_ms if peer_ms else None,
         "default_x_peer": peer_ms / default_ms if peer_ms and default_ms else None,
+        "control_ms": control_ms,
+        "default_x_control": default_ms / control_ms if default_ms and control_ms else None,
     }
 
 
@@ -128,19 +135,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table: one line per sweep."""
     lines = [
         "| case | splits | op | backend/recipe | configs | default ms | best config | best ms | "
-        "x default | x torch._grouped_mm (default / best) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "x default | x torch._grouped_mm (default / best) | default / control |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['case']} | {r['splits']} | {r['op']} | {r['variant']} |"
         if r.get("error"):
-            lines.append(f"{head} {r['error']} | | | | | |")
+            lines.append(f"{head} {r['error']} | | | | | | |")
             continue
         best = "-" if r["best"] is None else config_label(r["configs"][r["best"]]["config"])
         peer_cell = f"{_cell(r.get('default_x_peer'), '.2f')} / {_cell(r['x_peer'], '.2f')}"
         lines.append(
             f"{head} {len(r['configs'])} | {_cell(r['default_ms'], '.3f')} | {best} | {_cell(r['best_ms'], '.3f')} | "
-            f"{_cell(r['speedup'], '.2f')} | {peer_cell} |"
+            f"{_cell(r['speedup'], '.2f')} | {peer_cell} | {_cell(r.get('default_x_control'), '.2f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -214,7 +221,9 @@ def sweep(
 
     calls = [runner(e["config"]) for e in live]
     calls.append(peer.runner(op, peer_sets.sets, peer.group_ends(sets.splits, device)))
+    calls.append(runner(entries[0]["config"]))  # the control: the default again, last
     timed = time_in_rounds(calls, [count] * len(calls), device, plan)
+    control = timed.pop()
     for e, t in zip(live, timed, strict=False):
         if t.error is not None:
             e["error"] = f"{type(t.error).__name__}: {str(t.error)[:300]}"
@@ -222,7 +231,8 @@ def sweep(
             e["ms"] = median(t.times_ms)
     peer_t = timed[-1]
     peer_ms = None if peer_t.error is not None else median(peer_t.times_ms)
-    summary = summarize([e.get("ms") for e in entries], peer_ms)
+    control_ms = None if control.error is not None else median(control.times_ms)
+    summary = summarize([e.get("ms") for e in entries], peer_ms, control_ms)
     return {**row, "peer_ms": peer_ms, "configs": entries, **summary}
 
 

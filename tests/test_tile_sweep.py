@@ -46,16 +46,17 @@ def test_summarize_picks_the_fastest_timed_config():
     assert (s["best"], s["best_ms"], s["speedup"], s["x_peer"], s["default_x_peer"]) == (2, 1.0, 2.0, 1.5, 0.75)
     assert tile_sweep.summarize([None, None], peer_ms=1.0)["best"] is None
     assert tile_sweep.summarize([None, 3.0], peer_ms=None)["speedup"] is None  # the default failed to time
+    assert tile_sweep.summarize([2.2, 1.0], peer_ms=1.0, control_ms=2.0)["default_x_control"] == pytest.approx(1.1)
 
 
 def test_table_has_a_line_per_sweep_and_shows_errors():
     ok = {"case": "c", "splits": "balanced", "op": "fwd", "variant": "triton_grouped/bf16", "peer_ms": 1.0}
     ok |= {"configs": [{"config": {"bm": 64}}, {"config": {"bm": 128}}]}
-    ok |= tile_sweep.summarize([2.0, 1.0], peer_ms=1.0)
+    ok |= tile_sweep.summarize([2.0, 1.0], peer_ms=1.0, control_ms=1.6)
     bad = {"case": "c", "splits": "skewed", "op": "wgrad", "variant": "x", "error": "no configs offered"}
     lines = tile_sweep.table([ok, bad]).splitlines()
     assert len(lines) == 4
-    assert "| bm=128 | 1.000 | 2.00 | 0.50 / 1.00 |" in lines[2]
+    assert "| bm=128 | 1.000 | 2.00 | 0.50 / 1.00 | 1.25 |" in lines[2]
     assert "no configs offered" in lines[3]
 
 
