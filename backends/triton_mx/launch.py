@@ -306,16 +306,17 @@ def launch_upcast(
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight;
     the activations through tensor descriptors when the config asks and ``describable(a)``."""
+    device = a.device  # each read builds a torch.device: once per launch
     programs, constexprs, without_tma, blocks = _upcast_plan(
         interpreted(),
-        ptx_decode(a.device),
+        ptx_decode(device),
         a.shape[0],
         groups,
         w.fmt,
         w.rows,
         w.k_red,
         w.small_scales,
-        a.device,
+        device,
         config,
     )
     a_big = a_small = a
@@ -564,15 +565,15 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
     scale_rule=scale_rule))`` (NaN payloads aside). ``tile`` overrides the default (the
     decode's axis-1 tile)."""
     rows, cols = x.shape
-    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=x.device)
-    tile, constexprs = _quantize_decode_plan(
-        interpreted(), ptx_decode(x.device), fmt, scale_rule, x.dtype, x.device, tile
-    )
+    device, dtype = x.device, x.dtype  # each read builds a Python object: once per launch
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
+    tile, constexprs = _quantize_decode_plan(interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile)
     if rows and cols:
-        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        src = x.view(torch.int16) if dtype == torch.bfloat16 else x
         col_tiles = cdiv(cols, tile.bc)
         grid = (cdiv(rows, tile.br) * col_tiles,)
-        _QUANTIZE_DECODE.launch(grid, constexprs, src, src.stride(0), out, out.stride(0), rows, cols, col_tiles)
+        # ``out`` is new and contiguous: its row stride is ``cols``.
+        _QUANTIZE_DECODE.launch(grid, constexprs, src, src.stride(0), out, cols, rows, cols, col_tiles)
     return out
 
 
