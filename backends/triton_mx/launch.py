@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +34,7 @@ from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.inputs import host_sizes
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
 from grouped_gemm.triton_launcher import CachedLauncher, Constexprs, cdiv
@@ -63,12 +64,18 @@ def placement_reasons(problem: Problem) -> list[Reason]:
     return []
 
 
-def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def device_splits(
+    m_splits: Sequence[int] | torch.Tensor, device: torch.device, capturing: bool | None = None
+) -> torch.Tensor:
     """The (G,) group sizes as a contiguous integer tensor on ``device``: device splits as
-    they are (the kernels take their prefix sums themselves), host splits in one copy."""
-    if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
-        return m_splits.contiguous()
-    return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
+    they are (the kernels take their prefix sums themselves), host splits in one pinned copy,
+    or none when a call on this stream sent the same ones lately (``host_sizes``; ``capturing``
+    as ``GroupedInputs.capturing``)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device == device:
+            return m_splits.contiguous()
+        return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
+    return host_sizes(m_splits, device, torch.int32, capturing)
 
 
 @functools.cache
