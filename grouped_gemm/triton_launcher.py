@@ -152,19 +152,33 @@ class Constexprs:
     """Keyword constexprs and options fixed once, by a launch plan that is itself looked up
     (``CachedLauncher.launch``): the cached path keys on the object instead of reading,
     hashing and comparing each of a dozen values every call (~1.2 us a launch on the dev
-    CPU, issue 14). Read-only (``kwargs`` is a view of a private copy), so the object
-    stands for its values for as long as a cache entry holds it; values must be hashable,
-    as the per-call key needs them to be."""
+    CPU, issue 14). Interned: equal values (by name, value and type, as the per-call key
+    compares them) give one object, so plans that differ only in what the kernel does not
+    see (another M of a shape, say) share launcher entries. Read-only (``kwargs`` is a view
+    of a private copy); values must be hashable, as the per-call key needs them to be."""
 
     __slots__ = ("kwargs",)
+    kwargs: Mapping[str, Any]
 
-    def __init__(self, **kwargs: Any) -> None:
-        hash((*kwargs.items(),))  # TypeError for an unhashable value, here rather than at a launch
-        self.kwargs: Mapping[str, Any] = types.MappingProxyType(kwargs)
+    def __new__(cls, **kwargs: Any) -> Constexprs:
+        values = kwargs.values()
+        identity = (*kwargs, *values, *map(type, values))
+        found = _CONSTEXPRS.get(identity)  # TypeError for an unhashable value, here rather than at a launch
+        if found is None:
+            if len(_CONSTEXPRS) >= MAX_CONSTEXPRS:
+                _CONSTEXPRS.clear()  # bounded; a dropped object only makes its launches miss once
+            found = _CONSTEXPRS[identity] = super().__new__(cls)
+            found.kwargs = types.MappingProxyType(kwargs)
+        return found
 
     def replace(self, **changes: Any) -> Constexprs:
-        """A copy with ``changes`` applied (a plan's variant, e.g. without TMA)."""
+        """``self`` with ``changes`` applied (a plan's variant, e.g. without TMA)."""
         return Constexprs(**{**self.kwargs, **changes})
+
+
+#: Interned ``Constexprs`` by their values; at most ``MAX_CONSTEXPRS`` (cleared when full).
+_CONSTEXPRS: dict[tuple, Constexprs] = {}
+MAX_CONSTEXPRS = 1024
 
 
 class CachedLauncher:
