@@ -58,6 +58,7 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
         "gg bf16, gg.offsets(host list) reused": lambda: gg.grouped_gemm(x, w, offs_host),
         "gg.offsets(device) + gg bf16, per call": lambda: gg.grouped_gemm(x, w, gg.offsets(dev32)),
         "gg a16w4 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="a16w4"),
+        "gg a16w4 (MXTensor w), host splits": lambda: gg.grouped_gemm(x, w_mx, host, recipe="a16w4"),
         "gg a16w4 (bf16 w), device splits": lambda: gg.grouped_gemm(x, w, dev32, recipe="a16w4"),
         "gg bf16 multistream, host splits": lambda: gg.grouped_gemm(x, w, host, backend="multistream"),
         # The MX recipes that quantize the bf16 activations per call (one more launch).

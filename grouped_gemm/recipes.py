@@ -62,6 +62,10 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
     (e.g. ``get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})``); its
     name and operand formats must stay those of the built-in.
     """
+    if type(recipe) is str:  # a built-in's name, as backends ask per call: one lookup
+        found = RECIPES.get(recipe)
+        if found is not None:
+            return found
     if isinstance(recipe, Recipe):
         # model_copy(update=...) skips validation: re-validate, or a bogus scale_rule
         # would only fail inside a backend.

@@ -27,7 +27,8 @@ dtype and data pointer (~0.9 us for 5 tensors) and the keyword constexprs (~0.5 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from operator import itemgetter
 from typing import Any
 
@@ -147,8 +148,42 @@ def _on_device(index: int) -> Any:
     return torch.cuda.device(index)
 
 
+class Constexprs:
+    """Keyword constexprs and options fixed once, by a launch plan that is itself looked up
+    (``CachedLauncher.launch``): the cached path keys on the object instead of reading,
+    hashing and comparing each of a dozen values every call (~1.2 us a launch on the dev
+    CPU, issue 14). Interned: equal values (by name, value and type, as the per-call key
+    compares them) give one object, so plans that differ only in what the kernel does not
+    see (another M of a shape, say) share launcher entries. Read-only (``kwargs`` is a view
+    of a private copy); values must be hashable, as the per-call key needs them to be."""
+
+    __slots__ = ("kwargs",)
+    kwargs: Mapping[str, Any]
+
+    def __new__(cls, **kwargs: Any) -> Constexprs:
+        values = kwargs.values()
+        identity = (*kwargs, *values, *map(type, values))
+        found = _CONSTEXPRS.get(identity)  # TypeError for an unhashable value, here rather than at a launch
+        if found is None:
+            if len(_CONSTEXPRS) >= MAX_CONSTEXPRS:
+                _CONSTEXPRS.clear()  # bounded; a dropped object only makes its launches miss once
+            found = _CONSTEXPRS[identity] = super().__new__(cls)
+            found.kwargs = types.MappingProxyType(kwargs)
+        return found
+
+    def replace(self, **changes: Any) -> Constexprs:
+        """``self`` with ``changes`` applied (a plan's variant, e.g. without TMA)."""
+        return Constexprs(**{**self.kwargs, **changes})
+
+
+#: Interned ``Constexprs`` by their values; at most ``MAX_CONSTEXPRS`` (cleared when full).
+_CONSTEXPRS: dict[tuple, Constexprs] = {}
+MAX_CONSTEXPRS = 1024
+
+
 class CachedLauncher:
-    """``launcher(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``.
+    """``launcher(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``;
+    ``launcher.launch(grid, constexprs, *args)`` the same with a ``Constexprs``.
 
     Runtime arguments go positionally, constexprs and options (``num_warps``) by keyword, as
     at the call sites in this package. ``hits`` / ``misses`` / ``fallbacks`` count calls.
@@ -168,12 +203,19 @@ class CachedLauncher:
         self.hits = self.misses = self.fallbacks = 0
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        self._run(grid, args, kwargs, None)
+
+    def launch(self, grid: tuple[int, ...], constexprs: Constexprs, *args: Any) -> None:
+        """``self(grid, *args, **constexprs.kwargs)``, keyed on ``constexprs`` itself."""
+        self._run(grid, args, constexprs.kwargs, constexprs)
+
+    def _run(self, grid: tuple[int, ...], args: tuple, kwargs: Mapping[str, Any], bound: Constexprs | None) -> None:
         index = _gpu_index(args)
         if index >= 0 and index != _current_device():
             # Triton launches on the current device: tensors on another GPU of the process
             # (layers spread over GPUs, as with a device map) launch from their own.
             with _on_device(index):
-                self(grid, *args, **kwargs)
+                self._run(grid, args, kwargs, bound)
             return
         if not _ENABLED or self._params is None or _hooks_set():
             self.fallbacks += 1
@@ -186,7 +228,7 @@ class CachedLauncher:
         # A GPU tensor's index is the current device by now (the switch above): no second query.
         device = index if index >= 0 else self._device()
         try:
-            key = self.key(device, args, kwargs)
+            key = self.key(device, args, kwargs, bound)
             entry = self._entries.get(key)
         except (_Uncacheable, TypeError):  # an unmodelled argument, an unhashable constexpr
             self.fallbacks += 1
@@ -218,14 +260,16 @@ class CachedLauncher:
         tensors = tuple(i for i, kind in enumerate(signature) if kind is torch.Tensor)
         return number, _picker(tensors), _picker(tuple(i for i, kind in enumerate(signature) if kind is int))
 
-    def key(self, device: int, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    def key(self, device: int, args: tuple, kwargs: Mapping[str, Any], bound: Constexprs | None = None) -> tuple:
         """What Triton specializes this launch on (module doc), as one flat hashable tuple;
         _Uncacheable for an argument type not modelled.
 
         Cheap to build and hash (numbers in the module doc): the argument types pick a plan
         (tensor and int positions) and a signature number, kept per type tuple; the ints'
         classes are packed into one int, kept per tuple of int values (strides and sizes
-        repeat from call to call); only the tensors are read on every call.
+        repeat from call to call); only the tensors are read on every call. ``bound``, the
+        ``Constexprs`` that ``kwargs`` come from, stands for them (compared by identity:
+        never equal to what an unbound launch puts in its place).
         """
         kinds = tuple(map(type, args))
         plan = self._plans.get(kinds)
@@ -238,6 +282,16 @@ class CachedLauncher:
             if len(self._int_classes) >= MAX_INT_TUPLES:
                 self._int_classes.clear()
             classes = self._int_classes[ints] = int_classes(ints)
+        if bound is not None:
+            return (
+                device,
+                knobs.runtime.debug,
+                knobs.compilation.instrumentation_mode,
+                number,
+                classes,
+                bound,
+                *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
+            )
         values = kwargs.values()
         return (
             device,
@@ -253,7 +307,7 @@ class CachedLauncher:
             *map(type, values),
         )
 
-    def _compile_and_keep(self, key: tuple, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+    def _compile_and_keep(self, key: tuple, grid: tuple[int, ...], args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Launch through Triton (compiling if needed) and keep what the direct call needs."""
         self.misses += 1
         compiled = self.kernel[grid](*args, **kwargs)
@@ -268,7 +322,7 @@ class CachedLauncher:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = entry
 
-    def _constexpr_tail(self, positional: int, kwargs: dict[str, Any]) -> tuple | None:
+    def _constexpr_tail(self, positional: int, kwargs: Mapping[str, Any]) -> tuple | None:
         """The values of the parameters after the positional ones, in signature order, as
         Triton's binder passes them to the launcher (keyword or default); None where that
         cannot be reproduced: a constexpr given positionally (keyed by class, not value), a

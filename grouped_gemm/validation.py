@@ -147,7 +147,8 @@ def fwd_or_dgrad(
         is_list = False
         w0 = w
     elif isinstance(w, MXTensor):
-        check_operand(w, "w", "(G, N, K)")
+        if len(w.shape) != 3:
+            check_operand(w, "w", "(G, N, K)")  # raises, naming the rank
         groups, n, k = w.shape
         if groups < 1:
             raise ShapeError("w", w, "at least one group (G >= 1)")
@@ -410,11 +411,12 @@ def splits_operand(
         raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
     if m_splits.numel() != groups:
         raise SplitsError("m_splits", m_splits, f"one entry per group: expected {groups}, got {m_splits.numel()}")
-    if m_splits.device.type == "cpu":
+    where = m_splits.device  # each read builds a torch.device: once
+    if where.type == "cpu":
         return _host_splits(m_splits.tolist(), groups, rows, rows_arg), True
-    if m_splits.device.type == "meta":
+    if where.type == "meta":
         raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or the operands' device), not meta")
-    if m_splits.device != device:
+    if where != device:
         raise DeviceMismatchError("m_splits", m_splits, f"on the operands' device {device} or on the CPU")
     if config.settings().check_device_splits:
         assert_device_splits(m_splits, rows, rows_arg)

@@ -339,3 +339,38 @@ def test_host_splits_reused_on_a_stream_are_sent_once(monkeypatch):
     assert len(inputs_module._RECENT_ENDS) == 3, "nothing is cached under capture"
     assert all(fresh is not ends for ends in inputs_module._RECENT_ENDS.values())
     assert fresh.tolist() == _reference(splits)
+
+
+def test_host_sizes_are_the_splits_on_the_device():
+    """``host_sizes`` sends the sizes themselves (the Triton MX kernels sum them), ``host_ends``
+    their sums, from one tuple; the Triton backends' ``device_splits`` takes host splits so."""
+    from grouped_gemm.backends.triton_mx import launch
+
+    splits, cpu = (3, 0, 5), torch.device("cpu")
+    sizes = inputs_module.host_sizes(splits, cpu)
+    assert sizes.dtype == torch.int32 and sizes.tolist() == [3, 0, 5]
+    assert inputs_module.host_ends(splits, cpu).tolist() == [3, 3, 8]
+    assert launch.device_splits(splits, cpu).tolist() == [3, 0, 5]
+
+
+@pytest.mark.gpu
+def test_host_sizes_and_ends_of_one_split_are_cached_apart():
+    """One step's host splits on a stream: ``torch_grouped_mm`` sends their ends, a Triton MX
+    call their sizes; each once, under keys of their own, and every result stays right."""
+    device = torch.device("cuda")
+    splits = [8, 0, 24, 32]
+    m, n, k = sum(splits), 64, 128
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4, n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
+    inputs_module._RECENT_ENDS.clear()
+    plain = gg.grouped_gemm(x, w, splits)
+    first = gg.grouped_gemm(x, w_mx, splits, recipe="a16w4")
+    assert sorted(key[1] for key in inputs_module._RECENT_ENDS) == [False, True]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = gg.grouped_gemm(x, w_mx, list(splits), recipe="a16w4")
+        torch.cuda.synchronize()
+    assert not [e for e in prof.events() if "Memcpy" in e.name], "the cached sizes must not be copied again"
+    assert torch.equal(first, again) and len(inputs_module._RECENT_ENDS) == 2
+    assert rel_error(plain, ref_fwd(x, w, splits)) < 1e-2
+    assert rel_error(again, ref_fwd(x, w_mx.dequantize(torch.float32), splits)) < 1e-2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -95,18 +96,28 @@ LAUNCH_KEYWORDS = {
 }
 
 
+class _Spy:
+    """A cached launcher that records the keywords of each launch (``seen``), either way
+    it is called, then launches through ``real``."""
+
+    def __init__(self, real, seen: list) -> None:
+        self.real, self.seen = real, seen
+
+    def __call__(self, grid, *args, **kwargs):
+        self.seen.append(kwargs)
+        return self.real(grid, *args, **kwargs)
+
+    def launch(self, grid, constexprs, *args):
+        self.seen.append(dict(constexprs.kwargs))
+        return self.real.launch(grid, constexprs, *args)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The keywords of every kernel launch (the cached launchers, spied on)."""
     seen = []
     for attr in ("_GROUPED", "_UPCAST", "_SCALED", "_WGRAD"):
-        real = getattr(launch, attr)
-
-        def spy(grid, *args, real=real, **kwargs):
-            seen.append(kwargs)
-            return real(grid, *args, **kwargs)
-
-        monkeypatch.setattr(launch, attr, spy)
+        monkeypatch.setattr(launch, attr, _Spy(getattr(launch, attr), seen))
     return seen
 
 
@@ -221,8 +232,13 @@ def test_switching_the_ptx_decode_reaches_a_cached_launch_plan(gen, monkeypatch)
     cached per shape, so they must key on it (the second launch otherwise reused the
     first's ``PTX`` and the comparison compared a decode with itself)."""
     seen = []
-    monkeypatch.setattr(launch, "_UPCAST", lambda grid, *args, **kwargs: seen.append(kwargs["PTX"]))
-    monkeypatch.setattr(launch, "_QUANTIZE_DECODE", lambda grid, *args, **kwargs: seen.append(kwargs["HW_E4M3"]))
+
+    def recording(name):
+        """A launcher that records its launches' ``name`` constexpr and runs nothing."""
+        return types.SimpleNamespace(launch=lambda grid, constexprs, *args: seen.append(constexprs.kwargs[name]))
+
+    monkeypatch.setattr(launch, "_UPCAST", recording("PTX"))
+    monkeypatch.setattr(launch, "_QUANTIZE_DECODE", recording("HW_E4M3"))
     m, g = sum(SPLITS), len(SPLITS)
     x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
     w = layouts.build_upcast_weight(quantize_mx_weight(torch.randn(g, N, K, generator=gen), "e2m1", op="fwd"))
@@ -241,7 +257,7 @@ def test_the_compiled_portable_decode_takes_pointer_loads():
     cpu = torch.device("cpu")
 
     def tma(interp: bool, ptx: bool) -> bool:
-        return launch._upcast_plan(interp, ptx, 4096, 8, "e2m1", 512, 1024, True, cpu, config)[1]["TMA"]
+        return launch._upcast_plan(interp, ptx, 4096, 8, "e2m1", 512, 1024, True, cpu, config)[1].kwargs["TMA"]
 
     assert tma(interp=False, ptx=True) and tma(interp=True, ptx=False)
     assert not tma(interp=False, ptx=False)

@@ -151,6 +151,41 @@ def test_second_call_is_direct_with_constexprs_appended():
     assert (cached.hits, cached.misses, cached.fallbacks) == (1, 1, 0)
 
 
+def test_bound_constexprs_launch_as_keywords_do():
+    """``launch(grid, Constexprs(...), *args)`` passes the same tail as keywords, hits on
+    equal constexprs (one interned object), and misses on other values or another class of
+    argument; an unbound launch never shares its entries."""
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    x = torch.zeros(32)
+    bound = launcher.Constexprs(BLOCK=64, num_warps=4)
+    cached.launch((4,), bound, x, 32)
+    cached.launch((5,), bound, x, 48)
+    assert kernel.calls[0][:2] == ("triton", (4,)) and kernel.calls[0][3] == {"BLOCK": 64, "num_warps": 4}
+    assert kernel.calls[1] == ("direct", (5, 1, 1, 1234, "fn-handle", "packed", None, None, None, x, 48, 64, "dflt"))
+    cached.launch((1,), launcher.Constexprs(BLOCK=64, num_warps=4), x, 32)  # equal values: a hit
+    cached.launch((1,), launcher.Constexprs(BLOCK=64.0, num_warps=4), x, 32)  # 64.0 compiles apart
+    cached.launch((1,), bound, x, 33)  # 33: another int class
+    cached.launch((1,), bound.replace(BLOCK=128), x, 32)
+    cached((1,), x, 32, BLOCK=64, num_warps=4)  # the same launch unbound
+    assert (cached.hits, cached.misses) == (2, 5)
+    assert kernel.calls[-2][3] == {"BLOCK": 128, "num_warps": 4}
+
+
+def test_bound_constexprs_are_interned_read_only_hashable_and_bounded(monkeypatch):
+    bound = launcher.Constexprs(BLOCK=64, FLAG=True)
+    assert launcher.Constexprs(BLOCK=64, FLAG=True) is bound
+    assert launcher.Constexprs(BLOCK=64, FLAG=1) is not bound and launcher.Constexprs(FLAG=True, BLOCK=64) is not bound
+    with pytest.raises(TypeError):
+        bound.kwargs["BLOCK"] = 128
+    with pytest.raises(TypeError):
+        launcher.Constexprs(BLOCK=[64])
+    monkeypatch.setattr(launcher, "MAX_CONSTEXPRS", 3)
+    for block in range(10):
+        launcher.Constexprs(BLOCK=block)
+    assert len(launcher._CONSTEXPRS) <= 3
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs"),
     [

@@ -63,7 +63,7 @@ def run(problem: Problem, inputs: GroupedInputs, config: Mapping[str, Any] | Non
     if problem.m == 0:
         operands.activation(problem, inputs.a, name)  # an unfit MXTensor is refused all the same
         return out
-    splits = launch.device_splits(inputs.m_splits, device)
+    splits = launch.device_splits(inputs.m_splits, device, inputs.capturing)
     if scaled:
         act = operands.activation(problem, inputs.a, name)
         w = operands.weight(problem, inputs.b)

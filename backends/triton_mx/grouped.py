@@ -150,7 +150,7 @@ class TritonGroupedBackend(Backend):
             return launch.launch_wgrad(inputs.a, inputs.b, ends, out, problem.groups, problem.accumulate, tiles)
         grouped_tiles = launch.parse_config(launch.GroupedConfig, config)
         if problem.m:
-            splits = launch.device_splits(inputs.m_splits, device)
+            splits = launch.device_splits(inputs.m_splits, device, inputs.capturing)
             launch.launch_grouped(
                 inputs.a, inputs.b, splits, out, transpose_w=problem.op == "fwd", config=grouped_tiles
             )

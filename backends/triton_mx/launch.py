@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -34,9 +34,10 @@ from grouped_gemm.backends.triton_mx.schedule import max_groups_bucket
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
 from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.inputs import host_sizes
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
-from grouped_gemm.triton_launcher import CachedLauncher, cdiv
+from grouped_gemm.triton_launcher import CachedLauncher, Constexprs, cdiv
 
 # One cached launcher per kernel (grouped_gemm/triton_launcher.py: the host-time saving per launch).
 _UPCAST = CachedLauncher(upcast_grouped_kernel)
@@ -63,12 +64,18 @@ def placement_reasons(problem: Problem) -> list[Reason]:
     return []
 
 
-def device_splits(m_splits: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def device_splits(
+    m_splits: Sequence[int] | torch.Tensor, device: torch.device, capturing: bool | None = None
+) -> torch.Tensor:
     """The (G,) group sizes as a contiguous integer tensor on ``device``: device splits as
-    they are (the kernels take their prefix sums themselves), host splits in one copy."""
-    if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
-        return m_splits.contiguous()
-    return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
+    they are (the kernels take their prefix sums themselves), host splits in one pinned copy,
+    or none when a call on this stream sent the same ones lately (``host_sizes``; ``capturing``
+    as ``GroupedInputs.capturing``)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device == device:
+            return m_splits.contiguous()
+        return torch.tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
+    return host_sizes(m_splits, device, torch.int32, capturing)
 
 
 @functools.cache
@@ -264,41 +271,39 @@ def _upcast_plan(
     small_scales: bool,
     device: torch.device,
     config: UpcastConfig | None,
-) -> tuple[int, dict[str, Any], tuple[list[int], list[int]]]:
-    """(programs, constexprs and options, the activation blocks of the ``bm``- and
-    ``small``-row tiles) of an upcast launch, worked out once per shape and tile and then
-    looked up (a dozen calls and a dict otherwise: ~3.5 us of host time a launch on the dev
-    CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()`` and ``ptx_decode``, which
-    tests and probes switch."""
+) -> tuple[int, Constexprs, Constexprs | None, tuple[list[int], list[int]]]:
+    """(programs, constexprs and options, the same with the activations' TMA off where the
+    tile asks for it (for an activation TMA cannot describe; else None), the activation
+    blocks of the ``bm``- and ``small``-row tiles) of an upcast launch, worked out once per
+    shape and tile and then looked up (a dozen calls and a dict otherwise: ~3.5 us of host
+    time a launch on the dev CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()``
+    and ``ptx_decode``, which tests and probes switch."""
     cfg = config or upcast_config(m, groups, w_fmt)
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
     step = 32 * cfg.blocks
     blocks = ([cfg.bm, step], [cfg.small or cfg.bm, step])
-    return (
-        programs,
-        {
-            "BM": cfg.bm,
-            "SMALL": cfg.small,
-            "BN": cfg.bn,
-            "BLOCKS": cfg.blocks,
-            "MAX_G": max_groups_bucket(groups),
-            "NUM_PROGS": programs,
-            "EVEN_K": k_red % step == 0,
-            "PTX": ptx,
-            "FOLD": small_scales,
-            "W_FMT": w_fmt,
-            "PAIRED": paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
-            # The compiled portable decode (tests and probes only: sm_90 takes the PTX one)
-            # gave wrong sums on the H200 with TMA and four-block steps (Triton 3.6; exact
-            # with pointer loads or two-block steps, cause not found): it takes pointer loads.
-            "TMA": bool(cfg.tma) and (ptx or interp),
-            "INTERP": interp,
-            "num_warps": cfg.warps,
-            "num_stages": cfg.stages,
-            "maxnreg": cfg.max_registers(),
-        },
-        blocks,
+    constexprs = Constexprs(
+        BM=cfg.bm,
+        SMALL=cfg.small,
+        BN=cfg.bn,
+        BLOCKS=cfg.blocks,
+        MAX_G=max_groups_bucket(groups),
+        NUM_PROGS=programs,
+        EVEN_K=k_red % step == 0,
+        PTX=ptx,
+        FOLD=small_scales,
+        W_FMT=w_fmt,
+        PAIRED=paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
+        # The compiled portable decode (tests and probes only: sm_90 takes the PTX one)
+        # gave wrong sums on the H200 with TMA and four-block steps (Triton 3.6; exact
+        # with pointer loads or two-block steps, cause not found): it takes pointer loads.
+        TMA=bool(cfg.tma) and (ptx or interp),
+        INTERP=interp,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+        maxnreg=cfg.max_registers(),
     )
+    return programs, constexprs, constexprs.replace(TMA=False) if constexprs.kwargs["TMA"] else None, blocks
 
 
 def launch_upcast(
@@ -311,27 +316,29 @@ def launch_upcast(
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight;
     the activations through tensor descriptors when the config asks and ``describable(a)``."""
-    programs, constexprs, blocks = _upcast_plan(
+    device = a.device  # each read builds a torch.device: once per launch
+    programs, constexprs, without_tma, blocks = _upcast_plan(
         interpreted(),
-        ptx_decode(a.device),
+        ptx_decode(device),
         a.shape[0],
         groups,
         w.fmt,
         w.rows,
         w.k_red,
         w.small_scales,
-        a.device,
+        device,
         config,
     )
     a_big = a_small = a
-    if constexprs["TMA"]:
+    if without_tma is not None:
         if describable(a):
             a_big = TensorDescriptor.from_tensor(a, blocks[0])
             a_small = a_big if blocks[1] == blocks[0] else TensorDescriptor.from_tensor(a, blocks[1])
         else:
-            constexprs = {**constexprs, "TMA": False}
-    _UPCAST(
+            constexprs = without_tma
+    _UPCAST.launch(
         (programs,),
+        constexprs,
         a_big,
         a.stride(0),
         a_small,
@@ -345,7 +352,6 @@ def launch_upcast(
         groups,
         w.rows,
         w.k_red,
-        **constexprs,
     )
     return out
 
@@ -569,15 +575,15 @@ def quantize_decode(x: torch.Tensor, fmt: str, scale_rule: str, tile: DequantTil
     scale_rule=scale_rule))`` (NaN payloads aside). ``tile`` overrides the default (the
     decode's axis-1 tile)."""
     rows, cols = x.shape
-    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=x.device)
-    tile, constexprs = _quantize_decode_plan(
-        interpreted(), ptx_decode(x.device), fmt, scale_rule, x.dtype, x.device, tile
-    )
+    device, dtype = x.device, x.dtype  # each read builds a Python object: once per launch
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
+    tile, constexprs = _quantize_decode_plan(interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile)
     if rows and cols:
-        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        src = x.view(torch.int16) if dtype == torch.bfloat16 else x
         col_tiles = cdiv(cols, tile.bc)
         grid = (cdiv(rows, tile.br) * col_tiles,)
-        _QUANTIZE_DECODE(grid, src, src.stride(0), out, out.stride(0), rows, cols, col_tiles, **constexprs)
+        # ``out`` is new and contiguous: its row stride is ``cols``.
+        _QUANTIZE_DECODE.launch(grid, constexprs, src, src.stride(0), out, cols, rows, cols, col_tiles)
     return out
 
 
@@ -590,7 +596,7 @@ def _quantize_decode_plan(
     dtype: torch.dtype,
     device: torch.device,
     tile: DequantTile | None,
-) -> tuple[DequantTile, dict[str, Any]]:
+) -> tuple[DequantTile, Constexprs]:
     """The tile and the constexprs of a ``quantize_decode`` launch, worked out once per format,
     rule, dtype and device (issue 14: the MX recipes run it before every sm_90 GEMM); keyed
     like ``_upcast_plan`` on ``interpreted()`` and ``ptx_decode`` (``hw_e4m3``)."""
@@ -599,14 +605,7 @@ def _quantize_decode_plan(
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
     src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
     quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
-    return tile, {
-        "FMT": fmt,
-        "HW_E4M3": hw_e4m3,
-        "BR": tile.br,
-        "BC": tile.bc,
-        "num_warps": tile.warps,
-        **quantizer,
-    }
+    return tile, Constexprs(FMT=fmt, HW_E4M3=hw_e4m3, BR=tile.br, BC=tile.bc, num_warps=tile.warps, **quantizer)
 
 
 def vendor_wgrad_runs(problem: Problem) -> bool:

@@ -71,11 +71,11 @@ def decoded_activation(problem: Problem, a: torch.Tensor | MXTensor, name: str) 
     return launch.quantize_decode(a, fmt, problem.scale_rule)
 
 
-def weight(problem: Problem, w: torch.Tensor | MXTensor) -> MXTensor:
-    """The (G, N, K) weight in the recipe's format (E2M1 or E4M3) blocked along K (fwd) or
-    N (dgrad)."""
+def weight(problem: Problem, w: torch.Tensor | MXTensor, fmt: str | None = None) -> MXTensor:
+    """The (G, N, K) weight in the recipe's format (E2M1 or E4M3; ``fmt``, where the caller
+    has it already) blocked along K (fwd) or N (dgrad)."""
     axis = 2 if problem.op == "fwd" else 1
-    fmt = get_recipe(problem.recipe).weight_format
+    fmt = fmt or get_recipe(problem.recipe).weight_format
     if isinstance(w, MXTensor):
         if w.fmt != fmt or w.ndim != 3 or w.axis != axis or w.pad or w.block_size != BLOCK:
             raise InvalidArgumentError(
@@ -97,8 +97,8 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
     if not isinstance(w, MXTensor):
         return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
     if fmt == "e4m3":
-        return layouts_e4m3.upcast_weight_e4m3(weight(problem, w))
-    return layouts.upcast_weight(weight(problem, w))
+        return layouts_e4m3.upcast_weight_e4m3(weight(problem, w, fmt))
+    return layouts.upcast_weight(weight(problem, w, fmt))
 
 
 def wgrad_operands(
