@@ -198,7 +198,9 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
         if config.blocks > e4m3_max_blocks(config):
             # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
             # send them through shared memory: E4M3 keeps the tiles it was measured with.
-            return dataclasses.replace(TWO_PROGRAM_TILE if config.bm == 128 else TWO_BLOCK_TILE, tma=config.tma)
+            if config.bm == 128:
+                return dataclasses.replace(TWO_PROGRAM_TILE, tma=config.tma)
+            return dataclasses.replace(TWO_BLOCK_TILE, tma=config.tma, per_sm=config.per_sm)
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
@@ -245,7 +247,15 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     # 0.85x against 0.68x; skewed qwen3-30B 0.79x (128 x 128: 0.83x) against 0.71x.
     if mean_rows <= 160:
         return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
-    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
+    # Two programs a SM on the 256-row tile (E4M3's too). Its 246 registers a thread leave
+    # room for one, so the second 132 wait and start as SMs free up: the hardware balances
+    # what the static every-132nd-tile walk leaves uneven. Kernel alone on the H200
+    # (docs/results/2026-12-04-h200-sweep-order.md), one program's time over two programs':
+    # median 1.01-1.12 for E2M1 fwd / dgrad and 1.09-1.15 for E4M3 over three runs of the
+    # three to seven MoE cases with this tile, balanced and skewed (the third with the
+    # default timed twice, first and last, 0.90-1.06 apart); two programs within 2 % of the
+    # best offered tile on 115 of 124 E2M1 rows.
+    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=2, tma=1)
 
 
 _Config = TypeVar("_Config")
