@@ -21,8 +21,7 @@ on the first operand set (compiling it) and is compared with the default config'
 (``MAX_REL_VS_DEFAULT``); a config that fails or disagrees is reported and not timed. The
 default is the first config offered (the hooks put it first); it is timed a second time as
 the last contender, a control: ``default / control`` near 1 says the harness timed first
-and last alike (three H200 sweeps of 2026-12-04 had the first config 10-20 % behind
-whichever config stood fourth, by position). ``--max-seconds`` stops
+and last alike (docs/performance.md, the ninth session's tile sweeps). ``--max-seconds`` stops
 starting sweeps after that long and writes what it has.
 
 Run from the repository root on a GPU::

@@ -79,9 +79,8 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
     pre-quantized weight's layout, is then not in the first contender's estimate), and on
     a GPU the contenders run in turn untimed for ``plan.soak_ms``, so that the first blocks
     do not run at clocks the later ones no longer see. Round ``r`` starts at contender
-    ``r * n // rounds``, spreading who goes first and last evenly. (A sweep of ten tile
-    configs, three rounds, who goes first moving by one a round and no soak, timed its
-    first contender 10-20 % slow on the H200, whichever config stood there.)
+    ``r * n // rounds``, spreading who goes first and last evenly (moving by one a round,
+    three rounds of ten contenders put some mostly early and others mostly late).
     """
     clock = Clock(device.type == "cuda")
     n = len(calls)
