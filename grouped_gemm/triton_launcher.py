@@ -283,16 +283,12 @@ class CachedLauncher:
                 self._int_classes.clear()
             classes = self._int_classes[ints] = int_classes(ints)
         if bound is not None:
-            return (
-                device,
-                knobs.runtime.debug,
-                knobs.compilation.instrumentation_mode,
-                number,
-                classes,
-                bound,
-                *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
-            )
-        values = kwargs.values()
+            constexprs: tuple = (bound,)
+        else:
+            # Constexprs by name, value and type (1, 1.0 and True hash alike but compile
+            # apart); the signature fixes the tensors' count, so the flat tail is unambiguous.
+            values = kwargs.values()
+            constexprs = (*kwargs, *values, *map(type, values))
         return (
             device,
             knobs.runtime.debug,
@@ -300,11 +296,7 @@ class CachedLauncher:
             number,
             classes,
             *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
-            # Constexprs by name, value and type (1, 1.0 and True hash alike but compile
-            # apart); the signature fixes the tensors' count, so the flat tail is unambiguous.
-            *kwargs,
-            *values,
-            *map(type, values),
+            *constexprs,
         )
 
     def _compile_and_keep(self, key: tuple, grid: tuple[int, ...], args: tuple, kwargs: Mapping[str, Any]) -> None:
