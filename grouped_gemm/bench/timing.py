@@ -78,7 +78,8 @@ def time_in_rounds(calls: list[Call], sets: list[int], device: torch.device, pla
     contender runs once on every set (what a call builds once per operand, such as a
     pre-quantized weight's layout, is then not in the first contender's estimate), and on
     a GPU the contenders run in turn untimed for ``plan.soak_ms``, so that the first blocks
-    do not run at clocks the later ones no longer see. Round ``r`` starts at contender
+    start on a GPU already under load, as the later ones do (the clock's step-down under
+    load, above). Round ``r`` starts at contender
     ``r * n // rounds``, spreading who goes first and last evenly (moving by one a round,
     three rounds of ten contenders put some mostly early and others mostly late).
     """
