@@ -161,8 +161,7 @@ class Constexprs:
     kwargs: Mapping[str, Any]
 
     def __new__(cls, **kwargs: Any) -> Constexprs:
-        values = kwargs.values()
-        identity = (*kwargs, *values, *map(type, values))
+        identity = _by_value(kwargs)
         found = _CONSTEXPRS.get(identity)  # TypeError for an unhashable value, here rather than at a launch
         if found is None:
             if len(_CONSTEXPRS) >= MAX_CONSTEXPRS:
@@ -174,6 +173,13 @@ class Constexprs:
     def replace(self, **changes: Any) -> Constexprs:
         """``self`` with ``changes`` applied (a plan's variant, e.g. without TMA)."""
         return Constexprs(**{**self.kwargs, **changes})
+
+
+def _by_value(kwargs: Mapping[str, Any]) -> tuple:
+    """Constexprs as Triton tells them apart: by name, value and type (1, 1.0 and True hash
+    alike but compile apart), flat: the launch key's tail and an interned object's identity."""
+    values = kwargs.values()
+    return (*kwargs, *values, *map(type, values))
 
 
 #: Interned ``Constexprs`` by their values; at most ``MAX_CONSTEXPRS`` (cleared when full).
@@ -284,11 +290,8 @@ class CachedLauncher:
             classes = self._int_classes[ints] = int_classes(ints)
         if bound is not None:
             constexprs: tuple = (bound,)
-        else:
-            # Constexprs by name, value and type (1, 1.0 and True hash alike but compile
-            # apart); the signature fixes the tensors' count, so the flat tail is unambiguous.
-            values = kwargs.values()
-            constexprs = (*kwargs, *values, *map(type, values))
+        else:  # the signature fixes the tensors' count, so the flat tail is unambiguous
+            constexprs = _by_value(kwargs)
         return (
             device,
             knobs.runtime.debug,
