@@ -3,10 +3,16 @@
 Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the AMD linker).
 For each kernel configuration this script reports what the compiled code must show:
 
-- sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode): wgmma (``HGMMA``
+- sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode, the activations
+  by pointer loads): wgmma (``HGMMA``
   in the SASS; the weight as the register operand, so no ``STS`` / ``STSM`` in the loop:
   decoded values never pass through shared memory), registers and spills from ptxas; a
   two-height tile has one contraction loop per height, and each is checked;
+- the same kernel at each default tile that fetches the activations through tensor
+  descriptors (``UpcastConfig.tma``: the compute-bound tiles of both formats), with the
+  constexprs ``launch._upcast_plan`` gives a launch: the checks above (their ``cp.async``
+  copies are then the weight's), plus the activation by bulk tensor copies
+  (``cp.async.bulk.tensor``) issued before the loop and inside it, and no spills;
 - sm_90 quantize-and-lay-out kernels (both formats, fwd and dgrad tiles): they compile
   and spill nothing (what the interpreter accepts, the compiler can still refuse);
 - sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
