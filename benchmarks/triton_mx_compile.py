@@ -4,10 +4,10 @@ Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the A
 For each kernel configuration this script reports what the compiled code must show:
 
 - sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode, the activations
-  by pointer loads): wgmma (``HGMMA``
-  in the SASS; the weight as the register operand, so no ``STS`` / ``STSM`` in the loop:
-  decoded values never pass through shared memory), registers and spills from ptxas; a
-  two-height tile has one contraction loop per height, and each is checked;
+  by pointer loads): wgmma (``HGMMA`` in the SASS; the weight as the register operand, so
+  no ``STS`` / ``STSM`` in the loop: decoded values never pass through shared memory),
+  registers and spills from ptxas; a two-height tile has one contraction loop per height,
+  and each is checked;
 - the same kernel at each default tile that fetches the activations through tensor
   descriptors (``UpcastConfig.tma``: the compute-bound tiles of both formats), with the
   constexprs ``launch._upcast_plan`` gives a launch: the checks above (their ``cp.async``
