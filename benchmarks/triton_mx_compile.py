@@ -3,10 +3,16 @@
 Triton compiles for any ``GPUTarget`` on a CPU machine (it ships ptxas and the AMD linker).
 For each kernel configuration this script reports what the compiled code must show:
 
-- sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode): wgmma (``HGMMA``
-  in the SASS; the weight as the register operand, so no ``STS`` / ``STSM`` in the loop:
-  decoded values never pass through shared memory), registers and spills from ptxas; a
-  two-height tile has one contraction loop per height, and each is checked;
+- sm_90 upcast kernel (E2M1 and E4M3 weights, PTX and portable decode, the activations
+  by pointer loads): wgmma (``HGMMA`` in the SASS; the weight as the register operand, so
+  no ``STS`` / ``STSM`` in the loop: decoded values never pass through shared memory),
+  registers and spills from ptxas; a two-height tile has one contraction loop per height,
+  and each is checked;
+- the same kernel at each default tile that fetches the activations through tensor
+  descriptors (``UpcastConfig.tma``: the compute-bound tiles of both formats), with the
+  constexprs ``launch._upcast_plan`` gives a launch: the checks above (their ``cp.async``
+  copies are then the weight's), plus the activation by bulk tensor copies
+  (``cp.async.bulk.tensor``) issued before the loop and inside it, and no spills;
 - sm_90 quantize-and-lay-out kernels (both formats, fwd and dgrad tiles): they compile
   and spill nothing (what the interpreter accepts, the compiler can still refuse);
 - sm_90 kernels (upcast, and wgrad on bf16 decodes, Hopper's wgrad): a software-pipelined
@@ -41,7 +47,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launch import paired_words, upcast_config
+from grouped_gemm.backends.triton_mx.launch import _upcast_plan, paired_words, upcast_config
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
@@ -52,6 +58,14 @@ DECODE_TILE = upcast_config(128, 32, "e2m1")
 COMPUTE_E2M1 = upcast_config(128 * 512, 128, "e2m1")
 #: The two-height decode tiles (16 rows a group on average: 16-row tiles for small groups).
 HEIGHTS_E2M1, HEIGHTS_E4M3 = upcast_config(512, 32, "e2m1"), upcast_config(512, 32, "e4m3")
+
+#: Groups of the problems whose default tiles are compiled in their TMA form, and the mean
+#: rows a group tried (1 to 1024: past ``launch.py``'s last band, at 160).
+TMA_GROUPS, TMA_MEAN_ROWS = 128, tuple(2**i for i in range(11))
+#: SMs of the H100 / H200: a persistent grid's programs are ``per_sm`` times this.
+SMS = 132
+#: Options among a launch plan's ``Constexprs`` (the rest are the kernel's constexprs).
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),
@@ -72,8 +86,12 @@ def _compile(
     sig = {n: "i32" for n in kernel.arg_names}
     sig.update(pointers)
     sig.update({n: "constexpr" for n in const})
+    # Integers and pointers divisible by 16, as a launch specializes them; a descriptor
+    # carries no such attribute (Triton's own specialization gives it none).
     attrs = {
-        (i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in const and n != "num_groups"
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(kernel.arg_names)
+        if n not in const and n != "num_groups" and not sig[n].startswith("tensordesc")
     }
     options = {"num_warps": warps, "num_stages": stages}
     if maxnreg is not None:
@@ -102,6 +120,9 @@ def _contraction_loops(sass: str) -> list[list[str]]:
             body = [(o, o + m) for a, o, m, _ in code if int(target[1], 16) <= a <= addr]
             if any(o == "HGMMA" for o, _ in body):
                 spans.append((int(target[1], 16), addr, [full for _, full in body]))
+    # A branch from code placed after a loop back into its body (the out-of-line retry of a
+    # TMA barrier's wait) closes no loop of its own: its range would take in the epilogue.
+    spans = [s for s in spans if not any(o[0] < s[0] <= o[1] < s[1] for o in spans)]
     innermost = [s for s in spans if not any(o is not s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
     return [body for _, _, body in innermost]
 
@@ -128,15 +149,19 @@ def _pipeline(c) -> dict:
     ``ok`` needs all of: ``cp.async`` copies (``ttg.async_copy_global_to_local``) issued
     before the loop and inside it, shared-memory rings (``ttg.local_alloc`` of a
     ``stages x tile`` buffer) at least two deep, and an asynchronous wgmma inside the loop.
-    A loop the pipeliner left alone (a ``while``, or one stage) has plain loads instead."""
+    A loop the pipeliner left alone (a ``while``, or one stage) has plain loads instead.
+    Tensor-descriptor copies (``ttng.async_tma_copy_global_to_local``, the PTX's
+    ``cp.async.bulk.tensor``) are counted apart: ``_upcast_tma`` holds its rows to them."""
     ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
     before, body = _loop_body(ttgir, "ttng.warp_group_dot ")
-    copy = "ttg.async_copy_global_to_local"
+    copy, tma = "ttg.async_copy_global_to_local", "ttng.async_tma_copy_global_to_local"
     rings = [int(d) for d in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir)]
     waits = [int(n) for b in body for n in re.findall(r"ttg\.async_wait .*\{num = (\d+)", b)]
     found = {
         "prologue_copies": sum(copy in b for b in before),
         "loop_copies": sum(copy in b for b in body),
+        "prologue_tma": sum(tma in b for b in before),
+        "loop_tma": sum(tma in b for b in body),
         "rings": sorted(rings),
         "loop_wait_num": waits,
         "loop_async_wgmma": sum("ttng.warp_group_dot " in b and "isAsync = true" in b for b in body),
@@ -145,6 +170,7 @@ def _pipeline(c) -> dict:
         "ptx_cp_async_wait_group": ptx.count("cp.async.wait_group"),
         "ptx_wgmma": ptx.count("wgmma.mma_async"),
         "ptx_wgmma_wait_group": ptx.count("wgmma.wait_group"),
+        "ptx_bulk_tensor": ptx.count("cp.async.bulk.tensor"),
     }
     found["ok"] = (
         found["prologue_copies"] > 0
@@ -157,18 +183,25 @@ def _pipeline(c) -> dict:
 
 
 def _pipeline_text(p: dict) -> str:
+    tma = (
+        f"; TMA prologue {p['prologue_tma']}, loop {p['loop_tma']}, PTX cp.async.bulk.tensor {p['ptx_bulk_tensor']}"
+        if p["prologue_tma"] + p["loop_tma"] + p["ptx_bulk_tensor"]
+        else ""
+    )
     return (
         f"{'pipelined' if p['ok'] else 'NOT pipelined'}: cp.async prologue {p['prologue_copies']}, "
         f"loop {p['loop_copies']}, rings {'/'.join(map(str, p['rings']))}, loop wait {p['loop_wait_num']}, "
         f"async wgmma {p['loop_async_wgmma']}, smem {p['shared_bytes']} B; PTX cp.async {p['ptx_cp_async']}, "
         f"wait_group {p['ptx_cp_async_wait_group']}, wgmma {p['ptx_wgmma']}, wgmma.wait {p['ptx_wgmma_wait_group']}"
+        f"{tma}"
     )
 
 
 def _registers(c) -> tuple[int, int]:
-    """(registers a thread, stack bytes) of a compiled sm_90 kernel, from ptxas."""
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
-    return int(usage[1]), int(usage[2])
+    """(registers a thread, stack and local-memory bytes) of a compiled sm_90 kernel, from
+    ptxas: spilled registers go to the stack frame."""
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
+    return int(usage[1]), int(usage[2]) + int(usage[3])
 
 
 def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
@@ -203,6 +236,12 @@ def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
         "regs": regs,
         "spills": spills,
     }
+
+
+def _narrow_copies_max(w_fmt: str, blocks: int) -> int | None:
+    """Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
+    only the step's row scales may come in 4-byte copies (one a thread)."""
+    return 1 if w_fmt == "e2m1" and blocks == 4 else None
 
 
 def _upcast(
@@ -250,15 +289,78 @@ def _upcast(
         maxnreg=maxnreg,
     )
     decode = "" if ptx else " portable decode"
-    # Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
-    # only the step's row scales may come in 4-byte copies (one a thread).
-    narrow = 1 if w_fmt == "e2m1" and blocks == 4 else None
     capped = f" stages={stages} maxnreg={maxnreg}" if maxnreg else ""
     heights = f" SMALL={small} stages={stages}" if small else ""
     name = f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}{heights}"
-    row = _sm90_row(c, name, narrow)
+    row = _sm90_row(c, name, _narrow_copies_max(w_fmt, blocks))
     if maxnreg:
         row["ok"] = row["ok"] and row["spills"] == 0
+    return row
+
+
+def _tma_defaults() -> list[tuple[str, int]]:
+    """(weight format, mean rows a group) of each default upcast tile that fetches the
+    activations through tensor descriptors (``tma``), at the first mean that picks it."""
+    found, seen = [], set()
+    for w_fmt in ("e2m1", "e4m3"):
+        for rows in TMA_MEAN_ROWS:
+            config = upcast_config(rows * TMA_GROUPS, TMA_GROUPS, w_fmt)
+            if config.tma and (w_fmt, config) not in seen:
+                seen.add((w_fmt, config))
+                found.append((w_fmt, rows))
+    return found
+
+
+def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
+    """The default upcast tile at ``mean_rows`` a group in its TMA form, compiled with the
+    constexprs and options ``launch._upcast_plan`` gives a launch (PTX decode, scales folded,
+    N = K = 4096) but ``NUM_PROGS``, which follows the device's SMs: an H200's here."""
+    m = mean_rows * TMA_GROUPS
+    config = upcast_config(m, TMA_GROUPS, w_fmt)
+    _, plan, _, (big, small) = _upcast_plan(
+        interp=False,
+        ptx=True,
+        m=m,
+        groups=TMA_GROUPS,
+        w_fmt=w_fmt,
+        rows=4096,
+        k_red=4096,
+        small_scales=True,
+        device=torch.device("cpu"),
+        config=None,
+    )
+    kwargs = plan.replace(NUM_PROGS=SMS * config.per_sm).kwargs
+    if not kwargs["TMA"]:
+        raise RuntimeError(f"{w_fmt} at {mean_rows} rows a group: the launch plan dropped the tile's TMA")
+    const = {n: v for n, v in kwargs.items() if n not in OPTIONS}
+    c = _compile(
+        upcast_grouped_kernel,
+        {
+            "A": f"tensordesc<bf16[{big[0]}, {big[1]}]>",
+            "A_SMALL": f"tensordesc<bf16[{small[0]}, {small[1]}]>",
+            "W": "*i64" if w_fmt == "e4m3" else "*i32",
+            "S": "*i32",
+            "Out": "*bf16",
+            "Splits": "*i32",
+        },
+        const,
+        TARGETS["sm_90"],
+        warps=kwargs["num_warps"],
+        stages=kwargs["num_stages"],
+        maxnreg=kwargs["maxnreg"],
+    )
+    name = (
+        f"upcast {w_fmt} BM={config.bm} BLOCKS={config.blocks} FOLD=True warps={config.warps} "
+        f"stages={config.stages} TMA (default at {mean_rows} rows a group)"
+    )
+    row = _sm90_row(c, name, _narrow_copies_max(w_fmt, config.blocks))
+    # ``_sm90_row``'s checks hold as they are: its cp.async copies and 4-byte-copy count are
+    # the weight's words and scales here (still pointer loads). The activation, which
+    # pointer rows load by cp.async, must come by bulk tensor copies, issued before the loop
+    # and inside it (part of the pipelining check); and nothing may spill.
+    pipe = row["pipeline"]
+    pipe["ok"] = pipe["ok"] and pipe["ptx_bulk_tensor"] > 0 and pipe["prologue_tma"] > 0 and pipe["loop_tma"] > 0
+    row["ok"] = row["ok"] and pipe["ok"] and row["regs"] <= 255 and row["spills"] == 0
     return row
 
 
@@ -370,6 +472,7 @@ def main() -> None:
         _upcast("e2m1", True, 128, 2, warps=4),
         _upcast("e2m1", True, 16, 4, ptx=False),
         _upcast("e4m3", True, 16, 2, ptx=False),
+        *(_upcast_tma(fmt, rows) for fmt, rows in _tma_defaults()),
         _wgrad("sm_90", "bf16", "bf16"),
         *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),
     ]
@@ -380,10 +483,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "triton_mx_compile.json").write_text(json.dumps({"triton": triton.__version__, "rows": rows}))
     print(f"Triton {triton.__version__}")
-    print("| kernel | target | ok | found | contraction loop | registers / stack bytes |")
+    print("| kernel | target | ok | found | contraction loop | registers / stack + local bytes |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        regs = f"{r['regs']} / stack {r['spills']}" if r["regs"] is not None else ""
+        regs = f"{r['regs']} / {r['spills']}" if r["regs"] is not None else ""
         pipe = _pipeline_text(r["pipeline"]) if r["pipeline"] else ""
         print(f"| {r['kernel']} | {r['target']} | {'yes' if r['ok'] else 'NO'} | {r['found']} | {pipe} | {regs} |")
     if not all(r["ok"] for r in rows):

@@ -56,9 +56,19 @@ def test_every_target_and_kernel_is_checked(rows):
     assert "upcast e4m3" in names and "upcast e2m1" in names and "wgrad bf16" in names
 
 
+def test_compute_bound_defaults_are_checked_with_tma(rows):
+    """The default tiles above 64 rows a group fetch the activations through tensor
+    descriptors (the script takes them from ``launch.py``'s defaults): both formats' are
+    compiled so, and copy by TMA without spills."""
+    tma = [r for r in rows if r["kernel"].startswith("upcast") and " TMA " in r["kernel"]]
+    assert {r["kernel"].split()[1] for r in tma} == {"e2m1", "e4m3"}, [r["kernel"] for r in tma]
+    assert all(r["pipeline"]["ptx_bulk_tensor"] > 0 and r["spills"] == 0 for r in tma), tma
+
+
 def test_compiled_code_is_as_designed(rows):
     """Every row passes; from ``ROUND_TRIP_FROM`` on, 8-warp upcast tiles may fail only by
-    stores to shared memory in the loop (still wgmma, still pipelined)."""
+    stores to shared memory in the loop (still wgmma, still pipelined, TMA rows' bulk copies
+    included, and no spills: the TMA rows' own check)."""
     tolerated = _version() >= ROUND_TRIP_FROM
     for r in rows:
         if r["ok"]:
@@ -69,6 +79,7 @@ def test_compiled_code_is_as_designed(rows):
             and r["warps"] == 8
             and r["counts"]["HGMMA"] > 0
             and r["pipeline"]["ok"]
+            and r["spills"] == 0
         )
         assert tolerated and round_trip_only, f"Triton {triton.__version__}: {r['kernel']} on {r['target']}: {r}"
 
