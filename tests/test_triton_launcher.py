@@ -11,12 +11,18 @@ through the cached path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
 import torch
 import triton
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import grouped_gemm as gg
 from grouped_gemm import triton_launcher as launcher
@@ -97,6 +103,79 @@ def test_int_class_memo_is_bounded(monkeypatch):
     for n in range(10):
         cached.key(0, (n,), {})
     assert len(cached._int_classes) <= 3
+
+
+def _descriptor(source: torch.Tensor, block: list, **fields) -> TensorDescriptor:
+    """A descriptor of ``source`` with ``fields`` replaced past its constructor's checks (a
+    misaligned base, a bool in the block shape: what Triton's specialization would see)."""
+    checked = TensorDescriptor.from_tensor(source, block)
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update({f.name: getattr(checked, f.name) for f in dataclasses.fields(checked)}, **fields)
+    return made
+
+
+def _triton_spec(arg) -> tuple:
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def test_descriptor_key_splits_as_triton_specializes():
+    """The key of a descriptor launch is equal exactly where the installed Triton's
+    specialization is: dtype and block shape (its values' types too) split, the base's
+    address and alignment, shape, strides and padding (read per launch) do not."""
+    flat = torch.zeros(256 * 256 + 64, dtype=torch.bfloat16)
+    a = flat[: 256 * 256].view(256, 256)
+    descriptors = [
+        TensorDescriptor.from_tensor(a, [64, 64]),
+        TensorDescriptor.from_tensor(torch.zeros(256, 256, dtype=torch.bfloat16), [64, 64]),  # another base
+        TensorDescriptor.from_tensor(a, (64, 64)),  # a tuple block: Triton lists it
+        TensorDescriptor.from_tensor(a, [64, 64], padding="nan"),
+        TensorDescriptor.from_tensor(a[:, :128], [64, 64]),  # shape, strides
+        TensorDescriptor.from_tensor(flat[8 : 8 + 512 * 64].view(512, 64), [64, 64]),  # 16 bytes on
+        _descriptor(a, [64, 64], base=flat[1 : 1 + 256 * 256].view(256, 256)),  # 2 bytes off
+        TensorDescriptor.from_tensor(a, [128, 64]),
+        TensorDescriptor.from_tensor(a, [64, 128]),
+        _descriptor(a, [64, 64], block_shape=[True, 64]),
+        TensorDescriptor.from_tensor(a, [1, 64]),
+        TensorDescriptor.from_tensor(a.view(4, 64, 256), [1, 64, 64]),
+        TensorDescriptor.from_tensor(a.view(torch.float16), [64, 64]),
+        TensorDescriptor.from_tensor(a.view(torch.int16), [64, 64]),
+        TensorDescriptor.from_tensor(torch.zeros(64, 64), [64, 64]),
+    ]
+    keys = [_key(d, 32, BLOCK=64) for d in descriptors]
+    specs = [_triton_spec(d) for d in descriptors]
+    for i in range(len(descriptors)):
+        for j in range(i + 1, len(descriptors)):
+            assert (keys[i] == keys[j]) == (specs[i] == specs[j]), (specs[i], specs[j])
+    assert len(set(keys[:7])) == 1 and len(set(keys)) == len(descriptors) - 6
+    assert _key(descriptors[0], 32, BLOCK=64) != _key(descriptors[0], descriptors[0], BLOCK=64)
+
+
+def test_unmodelled_descriptors_are_uncacheable():
+    """A subclass (Triton specializes it as a descriptor, but it may read its fields
+    otherwise) and Gluon's descriptor (Triton also keys its layout)."""
+
+    class Subclass(TensorDescriptor):
+        pass
+
+    a = torch.zeros(64, 64, dtype=torch.bfloat16)
+    gluon = object.__new__(GluonDescriptor)
+    for unmodelled in (Subclass(a, a.shape, a.stride(), [64, 64]), gluon):
+        with pytest.raises(launcher._Uncacheable):
+            _key(unmodelled, 32, BLOCK=64)
+
+
+def test_binder_passes_descriptors_unchanged():
+    """``JITFunction.run`` hands the binder's values to ``compiled.run``: a descriptor comes
+    out as the object itself (no conversion the direct call would skip)."""
+
+    def body(A, n, BLOCK: triton.language.constexpr):
+        pass
+
+    kernel = JITFunction(body)  # not triton.jit: the compiled form under the interpreter too
+    d = TensorDescriptor.from_tensor(torch.zeros(64, 64, dtype=torch.bfloat16), [64, 64])
+    binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    params, specialization, _ = binder(d, 32, BLOCK=64)
+    assert params["A"] is d and specialization[0] == _triton_spec(d)
 
 
 # ---- the direct call, against a stand-in for a JITFunction ------------------------------
@@ -279,7 +358,26 @@ def test_uncacheable_arguments_fall_back():
         cached((1,), torch.zeros(32), "a string", BLOCK=64)  # an argument type the key does not model
         cached((1,), torch.zeros(32), 32, BLOCK=[64])  # an unhashable constexpr
         cached((1,), torch.zeros(32), 32, 64)  # a constexpr given positionally
+        cached((1,), object.__new__(GluonDescriptor), 32, BLOCK=64)  # a descriptor not modelled
     assert cached.hits == 0 and all(c[0] == "triton" for c in kernel.calls)
+
+
+def test_descriptor_launch_is_direct_with_the_object():
+    """A descriptor launch hits on a second descriptor of the same specialization (another
+    base, padding) and passes that object on, as Triton's launcher builds its CUtensorMap
+    per call; another block shape misses."""
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    cached((1,), TensorDescriptor.from_tensor(a, [64, 64]), 32, BLOCK=64)
+    other = TensorDescriptor.from_tensor(b, [64, 64], padding="nan")
+    cached((2,), other, 32, BLOCK=64)
+    assert kernel.calls[1] == (
+        "direct",
+        (2, 1, 1, 1234, "fn-handle", "packed", None, None, None, other, 32, 64, "dflt"),
+    )
+    cached((1,), TensorDescriptor.from_tensor(a, [128, 64]), 32, BLOCK=64)
+    assert (cached.hits, cached.misses, cached.fallbacks) == (1, 2, 0)
 
 
 def test_launch_hooks_take_triton_path():
