@@ -457,6 +457,7 @@ LAUNCHERS = (
     launch._QUANTIZE_DECODE,
     launch._DEQUANT,
     launch._WGRAD,
+    launch._GROUPED,
     layouts._MX_UPCAST,
     layouts._QUANTIZE_UPCAST,
     triton_quantizer._QUANTIZE_LAST,
@@ -544,11 +545,66 @@ def test_gpu_decode_and_layout_launches(rows, gen):
     assert _both_paths(lambda: layouts.build_upcast_weight(w_mx).data) == 1
 
 
+def _hit_with_descriptors(cached: CachedLauncher, fn, monkeypatch) -> torch.Tensor:
+    """fn() through Triton's path, then twice through the cached one: the second call is a
+    hit of ``cached`` whose arguments held tensor descriptors, and bit-identical to the first."""
+    previous = launcher.set_enabled(False)
+    try:
+        want = fn()
+    finally:
+        launcher.set_enabled(previous)
+    keyed = []
+    key = cached.key
+    monkeypatch.setattr(cached, "key", lambda device, args, *rest: keyed.append(args) or key(device, args, *rest))
+    launcher.set_enabled(True)
+    try:
+        fn()  # compiles (or finds Triton's kernel) and keeps it
+        hits, fallbacks = cached.hits, cached.fallbacks
+        got = fn()
+    finally:
+        launcher.set_enabled(previous)
+    torch.cuda.synchronize()
+    assert cached.hits == hits + 1 and cached.fallbacks == fallbacks
+    assert any(isinstance(arg, TensorDescriptor) for arg in keyed[-1])
+    _same(got, want)
+    return got
+
+
+@pytest.mark.gpu
+def test_gpu_tma_upcast_launch_hits(gen, monkeypatch):
+    """a16w4 with 256-row groups takes the upcast kernel's TMA tile (activations through
+    descriptors): its second call is a cached hit, bit-identical to Triton's path."""
+    device = torch.device("cuda")
+    groups, rows, n, k = 4, 256, 256, 256
+    assert launch.upcast_config(groups * rows, groups).tma
+    x = torch.randn(groups * rows, k, generator=gen).to(device, torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), "e2m1")
+    splits = torch.tensor([rows] * groups, device=device)
+    _hit_with_descriptors(launch._UPCAST, lambda: _gemm("fwd", x, w, splits, "a16w4"), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_w", [True, False], ids=["fwd", "dgrad"])
+def test_gpu_tma_grouped_launch_hits(transpose_w, gen, monkeypatch):
+    """The plain grouped kernel's TMA tile (both operands through descriptors), likewise."""
+    device = torch.device("cuda")
+    groups, rows, n, k = 4, 256, 256, 256
+    assert launch.grouped_config(groups * rows, groups).tma
+    a = torch.randn(groups * rows, k, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(groups, n, k, generator=gen).to(device, torch.bfloat16)
+    splits = torch.tensor([rows] * groups, device=device, dtype=torch.int32)
+
+    def call():
+        out = torch.empty(groups * rows, n if transpose_w else k, device=device)
+        return launch.launch_grouped(a, w, splits, out, transpose_w=transpose_w)
+
+    _hit_with_descriptors(launch._GROUPED, call, monkeypatch)
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_through_cached_path(gen):
     """Captured on torch's side stream: the cached path reads the current stream per call.
-    50 rows a group: a tile without TMA (descriptor launches take Triton's own path, which
-    the 1000-row form of this test took since the upcast kernel's TMA, so it saw no hit)."""
+    50 rows a group: a tile without TMA (the TMA tiles' hits: the tests above)."""
     device = torch.device("cuda")
     groups, m, n, k = 8, 400, 512, 1024
     assert not launch.upcast_config(m, groups).tma
