@@ -10,7 +10,8 @@ The key refines Triton's own specialization (``native_specialize_impl``), so a c
 is reused only where Triton would pick the same one: per tensor its dtype and whether
 ``data_ptr() % 16 == 0``; per int whether it is 1, whether ``% 16 == 0``, and its width
 (i32 / i64 / u64); bools, floats and None by type; keyword constexprs and options by value;
-the current device and Triton's debug / instrumentation knobs.
+the current device and Triton's debug / instrumentation knobs (with 3.9's
+``fpsan_homomorphic_casts``, an option ``JITFunction.run`` adds, where instrumented).
 
 Host ``TensorDescriptor`` arguments (``triton.tools.tensor_descriptor``; the TMA launches):
 per descriptor its base's dtype and its block shape, all that Triton 3.6.0, 3.7.1 and 3.9
@@ -314,10 +315,13 @@ class CachedLauncher:
             constexprs: tuple = (bound,)
         else:  # the signature fixes the tensors' count, so the flat tail is unambiguous
             constexprs = _by_value(kwargs)
+        mode = knobs.compilation.instrumentation_mode
         return (
             device,
             knobs.runtime.debug,
-            knobs.compilation.instrumentation_mode,
+            # 3.9 also passes the fp sanitizer's cast knob as an option; only an
+            # instrumented build reads it (absent before 3.9: None).
+            mode and (mode, getattr(knobs.compilation, "fpsan_homomorphic_casts", None)),
             number,
             classes,
             *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],

@@ -70,6 +70,19 @@ def test_other_scalars_and_unknowns():
         _key("a string")
 
 
+def test_instrumentation_knobs_split(monkeypatch):
+    """Triton 3.9's ``JITFunction.run`` passes ``fpsan_homomorphic_casts`` as an option (its
+    cache key), read by the fp sanitizer's pass of an instrumented build: keyed there."""
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", False, raising=False)
+    plain = _key(torch.zeros(4))
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", True, raising=False)
+    assert _key(torch.zeros(4)) == plain  # not instrumented: the same code
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+    casts = _key(torch.zeros(4))
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", False, raising=False)
+    assert len({plain, casts, _key(torch.zeros(4))}) == 3
+
+
 def _reference_key(args: tuple, kwargs: dict) -> tuple:
     """The key as first written, one Python call per argument: the fast key must split
     launches exactly as this one does."""
