@@ -24,9 +24,10 @@ Not keyed, as Triton does not: the base's alignment (the descriptor asserts 16 b
 Subclasses and Gluon's descriptor (whose layout Triton also keys) are not modelled.
 
 Anything else (interpreter, launch hooks, pre-run hooks, unknown argument types, missing
-internals) takes the normal path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal path (to measure both).
-Either way, a launch whose tensors live on another GPU than the current one switches to
-theirs first, as torch's own ops do (Triton launches on the current device).
+internals) takes the normal path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal
+path (to measure both). Either way, a launch whose tensors live on another GPU than the
+current one switches to theirs first, as torch's own ops do (Triton launches on the current
+device).
 
 The key is built per call, so it is kept cheap (``CachedLauncher.key``). Dev CPU numbers
 (2-core AMD EPYC VM, Python 3.11, no GPU; a stand-in kernel shaped like the upcast launch:
