@@ -10,11 +10,24 @@ The key refines Triton's own specialization (``native_specialize_impl``), so a c
 is reused only where Triton would pick the same one: per tensor its dtype and whether
 ``data_ptr() % 16 == 0``; per int whether it is 1, whether ``% 16 == 0``, and its width
 (i32 / i64 / u64); bools, floats and None by type; keyword constexprs and options by value;
-the current device and Triton's debug / instrumentation knobs. Anything else (interpreter,
-launch hooks, pre-run hooks, unknown argument types, missing internals) takes the normal
-path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal path (to measure both).
-Either way, a launch whose tensors live on another GPU than the current one switches to
-theirs first, as torch's own ops do (Triton launches on the current device).
+the current device and Triton's debug / instrumentation knobs (with 3.9's
+``fpsan_homomorphic_casts``, an option ``JITFunction.run`` adds, where instrumented).
+
+Host ``TensorDescriptor`` arguments (``triton.tools.tensor_descriptor``; the TMA launches):
+per descriptor its base's dtype and its block shape, all that Triton 3.6.0, 3.7.1 and 3.9
+specialize on (``native_specialize_impl`` gives ``tensordesc<bf16[128, 64]>``; the tests
+check the key against it). The rest is read per launch by the compiled kernel's ``run`` in
+all three: the NVIDIA launcher builds the CUtensorMap from the descriptor object each call
+(base pointer, shape, strides, ``padding``, 3.7+'s ``round_f32_to_tf32``), and the binder
+hands the object over unchanged, so the direct call passes what ``JITFunction.run`` would.
+Not keyed, as Triton does not: the base's alignment (the descriptor asserts 16 bytes).
+Subclasses and Gluon's descriptor (whose layout Triton also keys) are not modelled.
+
+Anything else (interpreter, launch hooks, pre-run hooks, unknown argument types, missing
+internals) takes the normal path. ``GROUPED_GEMM_TRITON_LAUNCHER=triton`` forces the normal
+path (to measure both). Either way, a launch whose tensors live on another GPU than the
+current one switches to theirs first, as torch's own ops do (Triton launches on the current
+device).
 
 The key is built per call, so it is kept cheap (``CachedLauncher.key``). Dev CPU numbers
 (2-core AMD EPYC VM, Python 3.11, no GPU; a stand-in kernel shaped like the upcast launch:
@@ -34,6 +47,7 @@ from typing import Any
 
 import torch
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from grouped_gemm.errors import ConfigError
 
@@ -103,8 +117,9 @@ def _picker(positions: tuple[int, ...]) -> Callable[[tuple], tuple]:
     return itemgetter(*positions) if positions else lambda args: ()
 
 
-#: Per tuple of argument types: its signature number, then pickers of its tensors and ints.
-_Plan = tuple[int, Callable[[tuple], tuple], Callable[[tuple], tuple]]
+#: Per tuple of argument types: its signature number, then pickers of its tensors, ints and
+#: tensor descriptors (None where it has none: most launches, which then skip the call).
+_Plan = tuple[int, Callable[[tuple], tuple], Callable[[tuple], tuple], Callable[[tuple], tuple] | None]
 
 
 def _signature(kinds: tuple[type, ...]) -> tuple[type, ...]:
@@ -114,10 +129,17 @@ def _signature(kinds: tuple[type, ...]) -> tuple[type, ...]:
     for kind in kinds:
         if issubclass(kind, torch.Tensor):
             kind = torch.Tensor
-        elif kind not in (int, bool, float, type(None)):
+        elif kind not in (int, bool, float, type(None), TensorDescriptor):  # exact: no subclasses
             raise _Uncacheable(kind.__name__)
         signature.append(kind)
     return tuple(signature)
+
+
+def _descriptor_classes(descriptors: tuple) -> list[tuple]:
+    """What Triton specializes a host ``TensorDescriptor`` on (module doc): its base's dtype
+    and its block shape, the shape's values with their types (``[True, 64]`` and ``[1, 64]``
+    are equal tuples but spell apart in Triton's ``tensordesc<bf16[1, 64]>``)."""
+    return [(d.base.dtype, tuple(d.block_shape), *map(type, d.block_shape)) for d in descriptors]
 
 
 def _hooks_set() -> bool:
@@ -264,7 +286,9 @@ class CachedLauncher:
         signature = _signature(kinds)
         number = self._signatures.setdefault(signature, len(self._signatures))
         tensors = tuple(i for i, kind in enumerate(signature) if kind is torch.Tensor)
-        return number, _picker(tensors), _picker(tuple(i for i, kind in enumerate(signature) if kind is int))
+        descriptors = tuple(i for i, kind in enumerate(signature) if kind is TensorDescriptor)
+        ints = _picker(tuple(i for i, kind in enumerate(signature) if kind is int))
+        return number, _picker(tensors), ints, _picker(descriptors) if descriptors else None
 
     def key(self, device: int, args: tuple, kwargs: Mapping[str, Any], bound: Constexprs | None = None) -> tuple:
         """What Triton specializes this launch on (module doc), as one flat hashable tuple;
@@ -281,7 +305,7 @@ class CachedLauncher:
         plan = self._plans.get(kinds)
         if plan is None:
             plan = self._plans[kinds] = self._plan(kinds)
-        number, tensors, ints_of = plan
+        number, tensors, ints_of, descriptors = plan
         ints = ints_of(args)  # exact ints by the plan: equal tuples, equal classes
         classes = self._int_classes.get(ints)
         if classes is None:
@@ -292,13 +316,17 @@ class CachedLauncher:
             constexprs: tuple = (bound,)
         else:  # the signature fixes the tensors' count, so the flat tail is unambiguous
             constexprs = _by_value(kwargs)
+        mode = knobs.compilation.instrumentation_mode
         return (
             device,
             knobs.runtime.debug,
-            knobs.compilation.instrumentation_mode,
+            # 3.9 also passes the fp sanitizer's cast knob as an option; only an
+            # instrumented build reads it (absent before 3.9: None).
+            mode and (mode, getattr(knobs.compilation, "fpsan_homomorphic_casts", None)),
             number,
             classes,
             *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)],
+            *(_descriptor_classes(descriptors(args)) if descriptors else ()),
             *constexprs,
         )
 

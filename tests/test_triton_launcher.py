@@ -11,12 +11,18 @@ through the cached path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
 import torch
 import triton
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import grouped_gemm as gg
 from grouped_gemm import triton_launcher as launcher
@@ -64,6 +70,19 @@ def test_other_scalars_and_unknowns():
         _key("a string")
 
 
+def test_instrumentation_knobs_split(monkeypatch):
+    """Triton 3.9's ``JITFunction.run`` passes ``fpsan_homomorphic_casts`` as an option (its
+    cache key), read by the fp sanitizer's pass of an instrumented build: keyed there."""
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", False, raising=False)
+    plain = _key(torch.zeros(4))
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", True, raising=False)
+    assert _key(torch.zeros(4)) == plain  # not instrumented: the same code
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+    casts = _key(torch.zeros(4))
+    monkeypatch.setattr(knobs.compilation, "fpsan_homomorphic_casts", False, raising=False)
+    assert len({plain, casts, _key(torch.zeros(4))}) == 3
+
+
 def _reference_key(args: tuple, kwargs: dict) -> tuple:
     """The key as first written, one Python call per argument: the fast key must split
     launches exactly as this one does."""
@@ -97,6 +116,79 @@ def test_int_class_memo_is_bounded(monkeypatch):
     for n in range(10):
         cached.key(0, (n,), {})
     assert len(cached._int_classes) <= 3
+
+
+def _descriptor(source: torch.Tensor, block: list, **fields) -> TensorDescriptor:
+    """A descriptor of ``source`` with ``fields`` replaced past its constructor's checks (a
+    misaligned base, a bool in the block shape: what Triton's specialization would see)."""
+    checked = TensorDescriptor.from_tensor(source, block)
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update({f.name: getattr(checked, f.name) for f in dataclasses.fields(checked)}, **fields)
+    return made
+
+
+def _triton_spec(arg) -> tuple:
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def test_descriptor_key_splits_as_triton_specializes():
+    """The key of a descriptor launch is equal exactly where the installed Triton's
+    specialization is: dtype and block shape (its values' types too) split, the base's
+    address and alignment, shape, strides and padding (read per launch) do not."""
+    flat = torch.zeros(256 * 256 + 64, dtype=torch.bfloat16)
+    a = flat[: 256 * 256].view(256, 256)
+    descriptors = [
+        TensorDescriptor.from_tensor(a, [64, 64]),
+        TensorDescriptor.from_tensor(torch.zeros(256, 256, dtype=torch.bfloat16), [64, 64]),  # another base
+        TensorDescriptor.from_tensor(a, (64, 64)),  # a tuple block: Triton lists it
+        TensorDescriptor.from_tensor(a, [64, 64], padding="nan"),
+        TensorDescriptor.from_tensor(a[:, :128], [64, 64]),  # shape, strides
+        TensorDescriptor.from_tensor(flat[8 : 8 + 512 * 64].view(512, 64), [64, 64]),  # 16 bytes on
+        _descriptor(a, [64, 64], base=flat[1 : 1 + 256 * 256].view(256, 256)),  # 2 bytes off
+        TensorDescriptor.from_tensor(a, [128, 64]),
+        TensorDescriptor.from_tensor(a, [64, 128]),
+        _descriptor(a, [64, 64], block_shape=[True, 64]),
+        TensorDescriptor.from_tensor(a, [1, 64]),
+        TensorDescriptor.from_tensor(a.view(4, 64, 256), [1, 64, 64]),
+        TensorDescriptor.from_tensor(a.view(torch.float16), [64, 64]),
+        TensorDescriptor.from_tensor(a.view(torch.int16), [64, 64]),
+        TensorDescriptor.from_tensor(torch.zeros(64, 64), [64, 64]),
+    ]
+    keys = [_key(d, 32, BLOCK=64) for d in descriptors]
+    specs = [_triton_spec(d) for d in descriptors]
+    for i in range(len(descriptors)):
+        for j in range(i + 1, len(descriptors)):
+            assert (keys[i] == keys[j]) == (specs[i] == specs[j]), (specs[i], specs[j])
+    assert len(set(keys[:7])) == 1 and len(set(keys)) == len(descriptors) - 6
+    assert _key(descriptors[0], 32, BLOCK=64) != _key(descriptors[0], descriptors[0], BLOCK=64)
+
+
+def test_unmodelled_descriptors_are_uncacheable():
+    """A subclass (Triton specializes it as a descriptor, but it may read its fields
+    otherwise) and Gluon's descriptor (Triton also keys its layout)."""
+
+    class Subclass(TensorDescriptor):
+        pass
+
+    a = torch.zeros(64, 64, dtype=torch.bfloat16)
+    gluon = object.__new__(GluonDescriptor)
+    for unmodelled in (Subclass(a, a.shape, a.stride(), [64, 64]), gluon):
+        with pytest.raises(launcher._Uncacheable):
+            _key(unmodelled, 32, BLOCK=64)
+
+
+def test_binder_passes_descriptors_unchanged():
+    """``JITFunction.run`` hands the binder's values to ``compiled.run``: a descriptor comes
+    out as the object itself (no conversion the direct call would skip)."""
+
+    def body(A, n, BLOCK: triton.language.constexpr):
+        pass
+
+    kernel = JITFunction(body)  # not triton.jit: the compiled form under the interpreter too
+    d = TensorDescriptor.from_tensor(torch.zeros(64, 64, dtype=torch.bfloat16), [64, 64])
+    binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    params, specialization, _ = binder(d, 32, BLOCK=64)
+    assert params["A"] is d and specialization[0] == _triton_spec(d)
 
 
 # ---- the direct call, against a stand-in for a JITFunction ------------------------------
@@ -279,7 +371,26 @@ def test_uncacheable_arguments_fall_back():
         cached((1,), torch.zeros(32), "a string", BLOCK=64)  # an argument type the key does not model
         cached((1,), torch.zeros(32), 32, BLOCK=[64])  # an unhashable constexpr
         cached((1,), torch.zeros(32), 32, 64)  # a constexpr given positionally
+        cached((1,), object.__new__(GluonDescriptor), 32, BLOCK=64)  # a descriptor not modelled
     assert cached.hits == 0 and all(c[0] == "triton" for c in kernel.calls)
+
+
+def test_descriptor_launch_is_direct_with_the_object():
+    """A descriptor launch hits on a second descriptor of the same specialization (another
+    base, padding) and passes that object on, as Triton's launcher builds its CUtensorMap
+    per call; another block shape misses."""
+    kernel = _Kernel()
+    cached = _launcher(kernel)
+    a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    cached((1,), TensorDescriptor.from_tensor(a, [64, 64]), 32, BLOCK=64)
+    other = TensorDescriptor.from_tensor(b, [64, 64], padding="nan")
+    cached((2,), other, 32, BLOCK=64)
+    assert kernel.calls[1] == (
+        "direct",
+        (2, 1, 1, 1234, "fn-handle", "packed", None, None, None, other, 32, 64, "dflt"),
+    )
+    cached((1,), TensorDescriptor.from_tensor(a, [128, 64]), 32, BLOCK=64)
+    assert (cached.hits, cached.misses, cached.fallbacks) == (1, 2, 0)
 
 
 def test_launch_hooks_take_triton_path():
@@ -359,6 +470,7 @@ LAUNCHERS = (
     launch._QUANTIZE_DECODE,
     launch._DEQUANT,
     launch._WGRAD,
+    launch._GROUPED,
     layouts._MX_UPCAST,
     layouts._QUANTIZE_UPCAST,
     triton_quantizer._QUANTIZE_LAST,
@@ -446,11 +558,66 @@ def test_gpu_decode_and_layout_launches(rows, gen):
     assert _both_paths(lambda: layouts.build_upcast_weight(w_mx).data) == 1
 
 
+def _hit_with_descriptors(cached: CachedLauncher, fn, monkeypatch) -> torch.Tensor:
+    """fn() through Triton's path, then twice through the cached one: the second call is a
+    hit of ``cached`` whose arguments held tensor descriptors, and bit-identical to the first."""
+    previous = launcher.set_enabled(False)
+    try:
+        want = fn()
+    finally:
+        launcher.set_enabled(previous)
+    keyed = []
+    key = cached.key
+    monkeypatch.setattr(cached, "key", lambda device, args, *rest: keyed.append(args) or key(device, args, *rest))
+    launcher.set_enabled(True)
+    try:
+        fn()  # compiles (or finds Triton's kernel) and keeps it
+        hits, fallbacks = cached.hits, cached.fallbacks
+        got = fn()
+    finally:
+        launcher.set_enabled(previous)
+    torch.cuda.synchronize()
+    assert cached.hits == hits + 1 and cached.fallbacks == fallbacks
+    assert any(isinstance(arg, TensorDescriptor) for arg in keyed[-1])
+    _same(got, want)
+    return got
+
+
+@pytest.mark.gpu
+def test_gpu_tma_upcast_launch_hits(gen, monkeypatch):
+    """a16w4 with 256-row groups takes the upcast kernel's TMA tile (activations through
+    descriptors): its second call is a cached hit, bit-identical to Triton's path."""
+    device = torch.device("cuda")
+    groups, rows, n, k = 4, 256, 256, 256
+    assert launch.upcast_config(groups * rows, groups).tma
+    x = torch.randn(groups * rows, k, generator=gen).to(device, torch.bfloat16)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), "e2m1")
+    splits = torch.tensor([rows] * groups, device=device)
+    _hit_with_descriptors(launch._UPCAST, lambda: _gemm("fwd", x, w, splits, "a16w4"), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_w", [True, False], ids=["fwd", "dgrad"])
+def test_gpu_tma_grouped_launch_hits(transpose_w, gen, monkeypatch):
+    """The plain grouped kernel's TMA tile (both operands through descriptors), likewise."""
+    device = torch.device("cuda")
+    groups, rows, n, k = 4, 256, 256, 256
+    assert launch.grouped_config(groups * rows, groups).tma
+    a = torch.randn(groups * rows, k, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(groups, n, k, generator=gen).to(device, torch.bfloat16)
+    splits = torch.tensor([rows] * groups, device=device, dtype=torch.int32)
+
+    def call():
+        out = torch.empty(groups * rows, n if transpose_w else k, device=device)
+        return launch.launch_grouped(a, w, splits, out, transpose_w=transpose_w)
+
+    _hit_with_descriptors(launch._GROUPED, call, monkeypatch)
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_through_cached_path(gen):
     """Captured on torch's side stream: the cached path reads the current stream per call.
-    50 rows a group: a tile without TMA (descriptor launches take Triton's own path, which
-    the 1000-row form of this test took since the upcast kernel's TMA, so it saw no hit)."""
+    50 rows a group: a tile without TMA (the TMA tiles' hits: the tests above)."""
     device = torch.device("cuda")
     groups, m, n, k = 8, 400, 512, 1024
     assert not launch.upcast_config(m, groups).tma

@@ -445,7 +445,7 @@ def launch_grouped(
     cfg = config or _grouped_config(m, groups)
     programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
     tma = bool(cfg.tma) and tma_runs(a, w)
-    if tma:  # descriptors in place of the pointers; the strides are unused (Triton's launch path)
+    if tma:  # descriptors in place of the pointers; the operands' strides go unread then
         w_block = [1, cfg.bn, cfg.bk] if transpose_w else [1, cfg.bk, cfg.bn]
         a_arg, w_arg = TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, w_block)
         strides = (0, 0, 0, 0)
