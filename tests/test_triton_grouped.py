@@ -129,6 +129,21 @@ def test_wgrad_without_rows(gen):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize(("n", "k"), [(0, 16), (16, 0)], ids=["n0", "k0"])
+def test_empty_n_or_k(op, n, k, gen):
+    """N or K = 0 (0 is a multiple of the declared alignment, so the backend is eligible):
+    an empty weight takes pointer loads, since a tensor descriptor's sizes must be
+    positive; an empty contraction writes zeros over a NaN-poisoned out."""
+    splits = [2, 4]
+    a, b = _operands(op, splits, n, k, torch.bfloat16, gen)
+    out = poison(torch.empty(_out_shape(op, splits, n, k), dtype=torch.bfloat16))
+    got = _call(op, a, b, splits, out=out)
+    assert got is out
+    assert torch.equal(got.double(), _reference(op, a, b, splits))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("transpose_w", [True, False], ids=["fwd", "dgrad"])
 def test_kernel_masks_unaligned_n_and_k(transpose_w, gen):
     """The backend declares 16-byte rows for fast loads, but the kernel itself is correct for
