@@ -462,6 +462,17 @@ def test_autograd_with_mutated_splits(mutation, layer, bias):
         assert rel_error(b.grad, torch.stack([dy[:4].sum(0), dy[4:].sum(0)])) < 1e-6
 
 
+@pytest.mark.parametrize("layer", [False, True])
+def test_create_graph_is_named(layer):
+    """autograd.grad(create_graph=True) through the eager route names create_graph (it
+    named the weight and pointed back at grouped_linear)."""
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(G, N, K, requires_grad=True)
+    y = gg.GroupedLinear(G, K, N, dtype=torch.float32)(x, SPLITS) if layer else gg.grouped_linear(x, w, SPLITS)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^create_graph=True .*first-order"):
+        torch.autograd.grad(y, x, torch.randn(M, N), create_graph=True)
+
+
 # Hostile plugins, loaded through real entry points.
 
 HOSTILE = {
