@@ -34,6 +34,8 @@ def _tensor_problem(result: Any, shape: tuple[int, ...], dtype: torch.dtype, dev
         return f"run() returned dtype {result.dtype}, expected {dtype}"
     if result.device != device:
         return f"run() returned a tensor on {result.device}, expected {device}"
+    if result.requires_grad:  # it would carry the backend's graph into the caller's (and into out=)
+        return "run() returned a tensor that requires grad; results of the functional GEMMs are plain tensors"
     return None
 
 
