@@ -8,6 +8,8 @@ and capture the fp32-accumulating wgrad in a CUDA graph (``pytest -m gpu``).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -141,6 +143,32 @@ def test_empty_n_or_k(op, n, k, gen):
     got = _call(op, a, b, splits, out=out)
     assert got is out
     assert torch.equal(got.double(), _reference(op, a, b, splits))
+
+
+@needs_interpreter
+def test_threads_interpreting_at_once():
+    """Triton's interpreter patches triton.language while a kernel runs: two threads
+    launching at once broke each other ('Did you forget to add @triton.jit ?') until
+    interpreted launches took turns."""
+    results: list[float] = []
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            a, b = _operands("fwd", [2, 4], 8, 16, torch.bfloat16, gen)
+            try:
+                results.append(rel_error(_call("fwd", a, b, [2, 4]), _reference("fwd", a, b, [2, 4])))
+            except Exception as exc:  # noqa: BLE001 - every error is a finding
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert len(results) == 12 and max(results) < HALF_OUT_TOL[torch.bfloat16]
 
 
 @needs_interpreter
