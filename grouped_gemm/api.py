@@ -14,13 +14,14 @@ from grouped_gemm.contract import BackendLike, BackendSpec, Reason
 from grouped_gemm.decision import Decision
 from grouped_gemm.device import DeviceInfo, described_device
 from grouped_gemm.dispatch import DISPATCHER, call_order, check_names, decide
-from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
+from grouped_gemm.group_offsets import host_split_ints
 from grouped_gemm.plugins import PluginFailure
 from grouped_gemm.problem import OPS, Op, Problem, build_problem
 from grouped_gemm.recipes import Recipe, get_recipe
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
-from grouped_gemm.vocabulary import dtype_name
+from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, dtype_name
 
 #: Groups a described problem may have: its splits are built as a host list.
 MAX_DESCRIBED_GROUPS = 1 << 20
@@ -109,6 +110,9 @@ def describe_problem(
             raise InvalidArgumentError(name, value, "a positive integer" if name != "m" else "an integer >= 0")
     if groups > MAX_DESCRIBED_GROUPS:
         raise InvalidArgumentError("groups", groups, f"at most {MAX_DESCRIBED_GROUPS} for a described problem")
+    for name, flag in (("device_splits", device_splits), ("accumulate", accumulate), ("weight_list", weight_list)):
+        if not isinstance(flag, bool):
+            raise InvalidTypeError(name, flag, "True or False")
     resolved = get_recipe(recipe)
     info = described_device(device)
     if isinstance(splits, str):
@@ -116,10 +120,14 @@ def describe_problem(
             raise InvalidArgumentError("splits", splits, "'balanced', 'skewed' or a list of group sizes")
         sizes = balanced_splits(groups, m) if splits == "balanced" else skewed_splits(groups, m)
     else:
-        sizes = list(splits)
+        if not isinstance(splits, (list, tuple)):
+            raise InvalidTypeError("splits", splits, "'balanced', 'skewed' or a list/tuple of group sizes")
+        sizes = host_split_ints(splits, "splits")  # ints only: a float or None item is named
         if len(sizes) != groups or sum(sizes) != m or min(sizes) < 0:
             raise InvalidArgumentError("splits", splits, f"{groups} non-negative sizes summing to m={m}")
-    in_dtype = _dtype_name(dtype) if dtype is not None else (resolved.plain_dtype or "bfloat16")
+    in_dtype = _dtype_name(dtype, "dtype") if dtype is not None else (resolved.plain_dtype or "bfloat16")
+    if resolved.plain_dtype is not None and in_dtype != resolved.plain_dtype:  # as a real call refuses it
+        raise DTypeError("dtype", dtype, f"recipe {resolved.name} takes {resolved.plain_dtype} operands, or None")
     reg = registry()
     return build_problem(
         op=op,
@@ -130,7 +138,7 @@ def describe_problem(
         k=k,
         a_format=in_dtype,
         b_format=in_dtype,
-        out_dtype=_dtype_name(out_dtype) if out_dtype is not None else in_dtype,
+        out_dtype=_dtype_name(out_dtype, "out_dtype") if out_dtype is not None else in_dtype,
         device=info,
         placement="cpu" if info.vendor == "cpu" else "cuda",
         splits=None if device_splits else sizes,
@@ -142,8 +150,13 @@ def describe_problem(
     )
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return dtype if isinstance(dtype, str) else dtype_name(dtype)
+def _dtype_name(dtype: torch.dtype | str, argument: str) -> str:
+    """A described operand or result dtype's name; anything else would describe a problem
+    no call can make (``[int8 x int8 -> float64]``), which every backend then refuses."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    if name not in FLOAT_DTYPE_NAMES:
+        raise DTypeError(argument, dtype, f"one of {', '.join(FLOAT_DTYPE_NAMES)} (a torch.dtype or its name)")
+    return name
 
 
 def explain(

@@ -99,6 +99,17 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            # create_graph=True: the functional GEMMs below would refuse the weights (they
+            # require grad) with an error pointing back at grouped_linear; and a backward
+            # run without grad mode would drop this layer's second-order terms silently.
+            raise InvalidArgumentError(
+                "create_graph",
+                True,
+                "first-order gradients only: the eager grouped_linear backward is not differentiable; "
+                "drop create_graph=True, or for double backward call torch.ops.grouped_gemm.fwd "
+                "(what grouped_linear runs under torch.compile)",
+            )
         x, *weights = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         fused = plan.fuse_wgrad_accumulation

@@ -120,6 +120,8 @@ def described_device(device: DeviceInfo | str | None = None) -> DeviceInfo:
         return device
     if isinstance(device, str):
         return DeviceInfo.for_arch(device)
+    if device is not None:  # not silently this machine's chip
+        raise InvalidArgumentError("device", device, "a DeviceInfo, an arch name such as 'sm_90', or None")
     return _described.get() or device_info(_current_device())
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from grouped_gemm.errors import DeviceMismatchError, InvalidTypeError, SplitsError
+from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, SplitsError
 from grouped_gemm.group_ends import copy_and_ends, group_ends
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
@@ -78,11 +78,13 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     pinned memory on a GPU. Call it once per step and pass the result as ``m_splits`` to
     the step's GEMMs.
     """
+    target = _target_device(device)
     if isinstance(m_splits, GroupOffsets):
-        if device is None or torch.device(device) == m_splits.device:
+        if target is None or target == m_splits.device:
             return m_splits
         raise DeviceMismatchError("device", device, f"{m_splits.device}, where these offsets already live")
-    target = torch.device(device) if device is not None else None
+    if target is not None and target.type == "meta":
+        raise InvalidArgumentError("device", device, "a device with data (the CPU or a GPU), not meta")
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout != torch.strided:
             raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
@@ -101,6 +103,17 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     return _from_host(values, target or torch.device("cpu"))
 
 
+def _target_device(device: Any) -> torch.device | None:
+    """``offsets``' ``device`` as a torch.device: a string torch cannot parse is named here,
+    not in a RuntimeError from torch."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise InvalidArgumentError("device", device, "a torch.device or a name such as 'cpu' or 'cuda:0'") from None
+
+
 def _from_host(values: list[int], device: torch.device) -> GroupOffsets:
     """Both tensors from one buffer ``[splits..., ends...]``: one H2D copy."""
     if not values:
@@ -116,21 +129,23 @@ def _from_host(values: list[int], device: torch.device) -> GroupOffsets:
     return GroupOffsets(both[:groups], both[groups:], total)
 
 
-def as_ints(values: Sequence[Any]) -> list[int]:
-    """Host group sizes as Python ints: ints, numpy integers and 1-element integer tensors;
-    bools and floats are rejected."""
+def as_ints(values: Sequence[Any], argument: str = "m_splits") -> list[int]:
+    """Host group sizes as Python ints: ints, numpy integers and 1-element integer tensors
+    with data; bools and floats are rejected."""
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or type(v).__name__ == "bool_":
-            raise SplitsError("m_splits", values, f"integers; m_splits[{i}]={v!r} is a bool")
-        if isinstance(v, torch.Tensor) and (v.dtype not in SPLIT_DTYPES or v.numel() != 1):
+            raise SplitsError(argument, values, f"integers; {argument}[{i}]={v!r} is a bool")
+        if isinstance(v, torch.Tensor) and (v.dtype not in SPLIT_DTYPES or v.numel() != 1 or v.is_meta):
             raise SplitsError(
-                "m_splits", values, f"integers; m_splits[{i}] is a tensor of dtype {v.dtype} with {v.numel()} elements"
+                argument,
+                values,
+                f"integers; {argument}[{i}] is a tensor of dtype {v.dtype} with {v.numel()} elements on {v.device}",
             )
         try:
             out.append(operator.index(v))
         except TypeError:
-            raise SplitsError("m_splits", values, f"integers; m_splits[{i}]={v!r} is a {type(v).__name__}") from None
+            raise SplitsError(argument, values, f"integers; {argument}[{i}]={v!r} is a {type(v).__name__}") from None
     return out
 
 
@@ -152,7 +167,4 @@ def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
         return values.tolist()
     if not isinstance(values, (list, tuple)):
         raise splits_type_error(values)
-    try:
-        return as_ints(values)
-    except SplitsError as exc:
-        raise SplitsError(argument, values, exc.allowed) from None
+    return as_ints(values, argument)

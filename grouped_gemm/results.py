@@ -25,7 +25,9 @@ def _operand_device(operand: Any) -> torch.device:
     return (operand[0] if isinstance(operand, list) else operand).device
 
 
-def _tensor_problem(result: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> str | None:
+def _tensor_problem(
+    result: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, out: Any = None
+) -> str | None:
     if not isinstance(result, torch.Tensor):
         return f"run() returned {type(result).__name__}, not a torch.Tensor"
     if tuple(result.shape) != shape:
@@ -34,6 +36,9 @@ def _tensor_problem(result: Any, shape: tuple[int, ...], dtype: torch.dtype, dev
         return f"run() returned dtype {result.dtype}, expected {dtype}"
     if result.device != device:
         return f"run() returned a tensor on {result.device}, expected {device}"
+    if result.requires_grad and result is not out:  # the backend's graph would reach the caller's
+        # (the caller's own out= may require grad: gg.backend.gmm's c, say)
+        return "run() returned a tensor that requires grad; results of the functional GEMMs are plain tensors"
     return None
 
 
@@ -68,7 +73,7 @@ def checked_result(name: str, problem: Problem, inputs: GroupedInputs, result: A
             return _raise(name, problem, issue)
         torch._foreach_copy_(out, items)
         return out
-    issue = _tensor_problem(result, shape, dtype, device)
+    issue = _tensor_problem(result, shape, dtype, device, out)
     if issue:
         return _raise(name, problem, issue)
     if out is not None and result is not out:

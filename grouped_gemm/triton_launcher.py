@@ -40,6 +40,7 @@ dtype and data pointer (~0.9 us for 5 tensors) and the keyword constexprs (~0.5 
 from __future__ import annotations
 
 import os
+import threading
 import types
 from collections.abc import Callable, Mapping
 from operator import itemgetter
@@ -209,6 +210,22 @@ _CONSTEXPRS: dict[tuple, Constexprs] = {}
 MAX_CONSTEXPRS = 1024
 
 
+#: Triton's interpreter swaps ``triton.language``'s functions for its own while a kernel
+#: runs and puts them back after: two threads interpreting at once break each other
+#: ("Did you forget to add @triton.jit ?"). Interpreted launches take turns.
+_interpreter_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    # A thread of the parent may have held the lock at fork; the child has no such thread.
+    global _interpreter_lock
+    _interpreter_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 class CachedLauncher:
     """``launcher(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``;
     ``launcher.launch(grid, constexprs, *args)`` the same with a ``Constexprs``.
@@ -222,6 +239,7 @@ class CachedLauncher:
         params = getattr(kernel, "params", None)
         # Interpreted kernels (no compiled launcher) or unknown internals: Triton's path only.
         self._params = params if hasattr(kernel, "device_caches") and params is not None else None
+        self._interpreted = type(kernel).__name__ == "InterpretedFunction"
         self._entries: dict[tuple, tuple] = {}
         self._plans: dict[tuple[type, ...], _Plan] = {}
         self._signatures: dict[tuple[type, ...], int] = {}  # numbers stay fixed: keys hold them
@@ -247,7 +265,11 @@ class CachedLauncher:
             return
         if not _ENABLED or self._params is None or _hooks_set():
             self.fallbacks += 1
-            self.kernel[grid](*args, **kwargs)
+            if self._interpreted:
+                with _interpreter_lock:
+                    self.kernel[grid](*args, **kwargs)
+            else:
+                self.kernel[grid](*args, **kwargs)
             return
         if self._device is None:
             from triton.runtime.driver import driver

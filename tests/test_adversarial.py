@@ -116,6 +116,7 @@ BAD_SPLITS: list[tuple[str, Any]] = [
     ("numpy_bool", [np.bool_(True), 5]),
     ("tensor_bool_item", [torch.tensor(True), 5]),
     ("tensor_float_item", [torch.tensor(2.5), 4]),
+    ("tensor_meta_item", [torch.tensor(2, device="meta"), 4]),
     ("tensor_2d", torch.tensor([[2, 4]])),
     ("tensor_float", torch.tensor([2.0, 4.0])),
     ("tensor_bool", torch.tensor([True, True])),
@@ -322,6 +323,15 @@ def test_env_rejects_bad_values_naming_the_variable(var, raw):
         read_env({var: raw})
 
 
+@pytest.mark.parametrize("device", ["nosuch", "meta", 3.5])
+def test_offsets_device_is_named(device):
+    """A device torch cannot parse, or one without data, is named (not a RuntimeError)."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^device="):
+        gg.offsets(SPLITS, device=device)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^device="):
+        gg.offsets(gg.offsets(SPLITS), device=device)
+
+
 # Described problems, MX quantization, the layer.
 
 DESCRIBED = [
@@ -343,6 +353,17 @@ DESCRIBED = [
     ({"splits": [1, 2]}, "splits"),
     ({"splits": [-1, 5, 0, 0]}, "splits"),
     ({"device": "sm_999"}, "arch"),
+    ({"device": 5}, "device"),
+    ({"splits": [1.5, 2.5, 0, 0]}, "splits"),
+    ({"splits": [None, 4, 0, 0]}, "splits"),
+    ({"splits": 4}, "splits"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"dtype": torch.float64}, "dtype"),
+    ({"recipe": "fp32", "dtype": "bfloat16"}, "dtype"),
+    ({"out_dtype": "float64"}, "out_dtype"),
+    ({"device_splits": "yes"}, "device_splits"),
+    ({"weight_list": 1}, "weight_list"),
+    ({"op": "wgrad", "accumulate": "no"}, "accumulate"),
 ]
 
 
@@ -439,6 +460,17 @@ def test_autograd_with_mutated_splits(mutation, layer, bias):
     assert rel_error(w.grad, ref_wgrad(dy, x.detach(), [4, 2])) < 1e-6
     if bias:
         assert rel_error(b.grad, torch.stack([dy[:4].sum(0), dy[4:].sum(0)])) < 1e-6
+
+
+@pytest.mark.parametrize("layer", [False, True])
+def test_create_graph_is_named(layer):
+    """autograd.grad(create_graph=True) through the eager route names create_graph (it
+    named the weight and pointed back at grouped_linear)."""
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(G, N, K, requires_grad=True)
+    y = gg.GroupedLinear(G, K, N, dtype=torch.float32)(x, SPLITS) if layer else gg.grouped_linear(x, w, SPLITS)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^create_graph=True .*first-order"):
+        torch.autograd.grad(y, x, torch.randn(M, N), create_graph=True)
 
 
 # Hostile plugins, loaded through real entry points.

@@ -153,12 +153,13 @@ def _bad_return(kind: str):
             "dtype": torch.zeros(m, n, dtype=torch.float64),
             "type": [[0.0] * n] * m,
             "broadcast": torch.zeros(1, n),
+            "requires_grad": torch.zeros(m, n, requires_grad=True),
         }[kind]
 
     return run
 
 
-@pytest.mark.parametrize("kind", ["none", "shape", "dtype", "type", "broadcast"])
+@pytest.mark.parametrize("kind", ["none", "shape", "dtype", "type", "broadcast", "requires_grad"])
 @pytest.mark.parametrize("with_out", [False, True])
 def test_bad_results_raise_naming_the_backend(kind, with_out, make_backend):
     backend = make_backend("liar", priority=10**6)

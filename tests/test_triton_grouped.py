@@ -8,6 +8,8 @@ and capture the fp32-accumulating wgrad in a CUDA graph (``pytest -m gpu``).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -126,6 +128,47 @@ def test_wgrad_without_rows(gen):
     assert torch.equal(main_grad, before)
     _call("wgrad", dy, x, [0, 0, 0], out=poison(main_grad), out_dtype=torch.float32)
     assert torch.equal(main_grad, torch.zeros_like(main_grad))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize(("n", "k"), [(0, 16), (16, 0)], ids=["n0", "k0"])
+def test_empty_n_or_k(op, n, k, gen):
+    """N or K = 0 (0 is a multiple of the declared alignment, so the backend is eligible):
+    an empty weight takes pointer loads, since a tensor descriptor's sizes must be
+    positive; an empty contraction writes zeros over a NaN-poisoned out."""
+    splits = [2, 4]
+    a, b = _operands(op, splits, n, k, torch.bfloat16, gen)
+    out = poison(torch.empty(_out_shape(op, splits, n, k), dtype=torch.bfloat16))
+    got = _call(op, a, b, splits, out=out)
+    assert got is out
+    assert torch.equal(got.double(), _reference(op, a, b, splits))
+
+
+@needs_interpreter
+def test_threads_interpreting_at_once():
+    """Triton's interpreter patches triton.language while a kernel runs: two threads
+    launching at once broke each other ('Did you forget to add @triton.jit ?') until
+    interpreted launches took turns."""
+    results: list[float] = []
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            a, b = _operands("fwd", [2, 4], 8, 16, torch.bfloat16, gen)
+            try:
+                results.append(rel_error(_call("fwd", a, b, [2, 4]), _reference("fwd", a, b, [2, 4])))
+            except Exception as exc:  # noqa: BLE001 - every error is a finding
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    assert len(results) == 12 and max(results) < HALF_OUT_TOL[torch.bfloat16]
 
 
 @needs_interpreter

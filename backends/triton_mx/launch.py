@@ -417,8 +417,9 @@ def describable(t: torch.Tensor) -> bool:
     """Whether a 16-bit tensor can be read through a tensor descriptor: a chip with TMA (or
     Triton's interpreter, which reads descriptors in software), a unit last stride, a
     16-byte aligned base and other strides (TMA's rules; the backends' alignment of N and K
-    makes them hold for contiguous operands, a sliced one may break them)."""
-    if not (interpreted() or _sm90_or_newer(t.device)) or t.element_size() != 2:
+    makes them hold for contiguous operands, a sliced one may break them), and no empty
+    dimension (a descriptor's sizes are positive: N=0 weights take pointer loads)."""
+    if not (interpreted() or _sm90_or_newer(t.device)) or t.element_size() != 2 or 0 in t.shape:
         return False
     *outer, last = t.stride()
     return last == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in outer)
