@@ -7,7 +7,8 @@ For each kernel configuration this script reports what the compiled code must sh
   by pointer loads): wgmma (``HGMMA`` in the SASS; the weight as the register operand, so
   no ``STS`` / ``STSM`` in the loop: decoded values never pass through shared memory),
   registers and spills from ptxas; a two-height tile has one contraction loop per height,
-  and each is checked;
+  and each is checked; the shared memory Triton allocated is what ``UpcastConfig.smem_bytes``
+  (the tuning candidates' fit) says, up to the copy barriers;
 - the same kernel at each default tile that fetches the activations through tensor
   descriptors (``UpcastConfig.tma``: the compute-bound tiles of both formats), with the
   constexprs ``launch._upcast_plan`` gives a launch: the checks above (their ``cp.async``
@@ -47,7 +48,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launch import _upcast_plan, paired_words, upcast_config
+from grouped_gemm.backends.triton_mx.launch import UpcastConfig, _upcast_plan, paired_words, upcast_config
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
@@ -238,6 +239,15 @@ def _sm90_row(c, name: str, narrow_copies_max: int | None = None) -> dict:
     }
 
 
+def _with_smem_estimate(row: dict, c, config: UpcastConfig, w_fmt: str) -> dict:
+    """Hold ``UpcastConfig.smem_bytes`` (what tuning and the probes fit candidates by) to
+    what Triton allocated: at least that, and over it by no more than the barrier slack."""
+    estimate, actual = config.smem_bytes(w_fmt), c.metadata.shared
+    row["smem_estimate"] = estimate
+    row["ok"] = row["ok"] and actual <= estimate <= actual + 16 * config.stages
+    return row
+
+
 def _narrow_copies_max(w_fmt: str, blocks: int) -> int | None:
     """Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
     only the step's row scales may come in 4-byte copies (one a thread)."""
@@ -295,7 +305,8 @@ def _upcast(
     row = _sm90_row(c, name, _narrow_copies_max(w_fmt, blocks))
     if maxnreg:
         row["ok"] = row["ok"] and row["spills"] == 0
-    return row
+    config = UpcastConfig(bm=bm, bn=128, blocks=blocks, warps=warps, stages=stages, per_sm=1, small=small)
+    return _with_smem_estimate(row, c, config, w_fmt)
 
 
 def _tma_defaults() -> list[tuple[str, int]]:
@@ -361,7 +372,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
     pipe = row["pipeline"]
     pipe["ok"] = pipe["ok"] and pipe["ptx_bulk_tensor"] > 0 and pipe["prologue_tma"] > 0 and pipe["loop_tma"] > 0
     row["ok"] = row["ok"] and pipe["ok"] and row["regs"] <= 255 and row["spills"] == 0
-    return row
+    return _with_smem_estimate(row, c, config, w_fmt)
 
 
 def _prep(fmt: str, op: str) -> dict:

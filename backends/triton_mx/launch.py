@@ -131,11 +131,14 @@ class UpcastConfig:
         return self.small < self.bm
 
     def smem_bytes(self, w_fmt: str = "e4m3") -> int:
-        """Shared memory of the pipelined loads: bf16 activations, the weight words (32
-        bytes per row and 32-block for E4M3, 16 for E2M1; by default E4M3's, the upper bound
-        for either format) and their scales."""
+        """Shared memory of the pipelined loads: ``stages`` buffers of bf16 activations and
+        ``stages - 1`` of the weight words (32 bytes per row and 32-block for E4M3, 16 for
+        E2M1; by default E4M3's, the upper bound for either format) and their scales, whose
+        loads feed registers; and the copy barriers. What Triton 3.6, 3.7.1 and 3.9 allocate,
+        to the byte but the barriers, on the tiles of benchmarks/triton_mx_compile.py."""
         word_bytes = 16 if w_fmt == "e2m1" else 32
-        return self.stages * (self.bm * 32 * self.blocks * 2 + self.bn * self.blocks * word_bytes + self.bn * 4)
+        words = self.bn * self.blocks * word_bytes + self.bn * 4
+        return self.stages * (self.bm * 32 * self.blocks * 2 + 16) + (self.stages - 1) * words
 
     def registers(self) -> int:
         """32-bit registers a thread holds through the loop: the fp32 accumulator and the
