@@ -48,7 +48,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launch import UpcastConfig, _upcast_plan, paired_words, upcast_config
+from grouped_gemm.backends.triton_mx.launch import UpcastConfig, _upcast_plan, upcast_config
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
@@ -248,10 +248,11 @@ def _with_smem_estimate(row: dict, c, config: UpcastConfig, w_fmt: str) -> dict:
     return row
 
 
-def _narrow_copies_max(w_fmt: str, blocks: int) -> int | None:
-    """Four E2M1 blocks a step start a run, so a (row, q)'s four words are one 16-byte copy:
-    only the step's row scales may come in 4-byte copies (one a thread)."""
-    return 1 if w_fmt == "e2m1" and blocks == 4 else None
+def _narrow_copies_max(blocks: int) -> int | None:
+    """Four blocks a step start a run, so a (row, q)'s four words are one 16-byte copy (E4M3:
+    two, its low and high halves): only the step's row scales may come in 4-byte copies (one
+    a thread)."""
+    return 1 if blocks == 4 else None
 
 
 def _upcast(
@@ -273,7 +274,7 @@ def _upcast(
         {
             "A": "*bf16",
             "A_SMALL": "*bf16",
-            "W": "*i64" if w_fmt == "e4m3" else "*i32",
+            "W": "*i32",
             "S": "*i32",
             "Out": "*bf16",
             "Splits": "*i32",
@@ -289,7 +290,6 @@ def _upcast(
             PTX=ptx,
             FOLD=fold,
             W_FMT=w_fmt,
-            PAIRED=paired_words(w_fmt, blocks, warps, 128),
             TMA=False,
             INTERP=False,
         ),
@@ -302,7 +302,7 @@ def _upcast(
     capped = f" stages={stages} maxnreg={maxnreg}" if maxnreg else ""
     heights = f" SMALL={small} stages={stages}" if small else ""
     name = f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}{heights}"
-    row = _sm90_row(c, name, _narrow_copies_max(w_fmt, blocks))
+    row = _sm90_row(c, name, _narrow_copies_max(blocks))
     if maxnreg:
         row["ok"] = row["ok"] and row["spills"] == 0
     config = UpcastConfig(bm=bm, bn=128, blocks=blocks, warps=warps, stages=stages, per_sm=1, small=small)
@@ -349,7 +349,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
         {
             "A": f"tensordesc<bf16[{big[0]}, {big[1]}]>",
             "A_SMALL": f"tensordesc<bf16[{small[0]}, {small[1]}]>",
-            "W": "*i64" if w_fmt == "e4m3" else "*i32",
+            "W": "*i32",
             "S": "*i32",
             "Out": "*bf16",
             "Splits": "*i32",
@@ -364,7 +364,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
         f"upcast {w_fmt} BM={config.bm} BLOCKS={config.blocks} FOLD=True warps={config.warps} "
         f"stages={config.stages} TMA (default at {mean_rows} rows a group)"
     )
-    row = _sm90_row(c, name, _narrow_copies_max(w_fmt, config.blocks))
+    row = _sm90_row(c, name, _narrow_copies_max(config.blocks))
     # ``_sm90_row``'s checks hold as they are: its cp.async copies and 4-byte-copy count are
     # the weight's words and scales here (still pointer loads). The activation, which
     # pointer rows load by cp.async, must come by bulk tensor copies, issued before the loop
@@ -388,10 +388,9 @@ def _prep(fmt: str, op: str) -> dict:
         ROWS_CONTIGUOUS=rows_contiguous,
         **layouts.prep_format_args(weight, fmt, "floor", rows_contiguous),
     )
-    words = "*i64" if fmt == "e4m3" else "*i32"
     c = _compile(
         weight_prep_kernel.quantize_upcast_kernel,
-        {"w_ptr": "*i16", "data_ptr": words, "scale_ptr": "*i32"},
+        {"w_ptr": "*i16", "data_ptr": "*i32", "scale_ptr": "*i32"},
         const,
         TARGETS["sm_90"],
         warps=warps,
@@ -465,13 +464,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="directory for triton_mx_compile.json")
     args = parser.parse_args()
     rows = [
-        _upcast("e4m3", True, 256, 2),
-        _upcast("e4m3", False, 256, 2),
-        _upcast("e4m3", True, 16, 2),
-        _upcast("e4m3", True, 32, 2),
+        _upcast("e4m3", True, 256, 4, stages=COMPUTE_E2M1.stages),
+        _upcast("e4m3", False, 256, 4, stages=COMPUTE_E2M1.stages),
+        _upcast("e4m3", True, 128, 4, stages=COMPUTE_E2M1.stages),
         _upcast("e4m3", True, 16, 4),
         _upcast("e4m3", True, 64, 4),
-        _upcast("e4m3", True, 128, 2),
         _upcast("e2m1", True, 256, 2),
         _upcast("e2m1", True, 16, 4),
         _upcast("e2m1", True, 16, 4, stages=DECODE_TILE.stages, maxnreg=DECODE_TILE.max_registers()),
@@ -479,10 +476,9 @@ def main() -> None:
         _upcast("e2m1", True, 256, 4, stages=COMPUTE_E2M1.stages),
         _upcast("e2m1", True, 32, 4, stages=HEIGHTS_E2M1.stages, small=HEIGHTS_E2M1.small),
         _upcast("e4m3", True, 32, 4, stages=HEIGHTS_E4M3.stages, small=HEIGHTS_E4M3.small),
-        _upcast("e4m3", True, 128, 2, warps=4),
         _upcast("e2m1", True, 128, 2, warps=4),
         _upcast("e2m1", True, 16, 4, ptx=False),
-        _upcast("e4m3", True, 16, 2, ptx=False),
+        _upcast("e4m3", True, 16, 4, ptx=False),
         *(_upcast_tma(fmt, rows) for fmt, rows in _tma_defaults()),
         _wgrad("sm_90", "bf16", "bf16"),
         *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),

@@ -65,14 +65,14 @@ def _sample(*spaces):
     return list(seen.values())
 
 
-def _space(op, kind):
-    """The GPU candidates of a kernel (``kind``: grouped, upcast, scaled) at the test
-    problem's mean group size and at a large one."""
+def _space(op, kind, *fmt):
+    """The GPU candidates of a kernel (``kind``: grouped, upcast, scaled; ``fmt``: the
+    upcast weight format) at the test problem's mean group size and at a large one."""
     if op == "wgrad":
         return _sample(launch.wgrad_configs())
     spaces = {"grouped": launch.grouped_configs, "upcast": launch.upcast_configs, "scaled": launch.scaled_configs}
     groups = len(SPLITS)
-    return _sample(spaces[kind](sum(SPLITS), groups), spaces[kind](LARGE_MEAN_ROWS * groups, groups))
+    return _sample(spaces[kind](sum(SPLITS), groups, *fmt), spaces[kind](LARGE_MEAN_ROWS * groups, groups, *fmt))
 
 
 def _problem(a, b, op, recipe, out, accumulate=False):
@@ -197,7 +197,8 @@ def test_mx_every_config_matches_float64(name, op, path, gen, launches):
     with emulated(PATHS[path]):
         problem = _problem(a, b, op, recipe, _out(op))
         assert problem.device.has("scaled_mma") == (path == "dot_scaled")
-        for config in _space(op, "scaled" if path == "dot_scaled" else "upcast"):
+        upcast = ("upcast", "e4m3" if recipe == "mxfp8" else "e2m1")
+        for config in _space(op, *(("scaled",) if path == "dot_scaled" else upcast)):
             out = _out(op)
             got = backend.run_config(problem, GroupedInputs(a, b, tuple(SPLITS), out), dataclasses.asdict(config))
             _check_launched(launches, config)
@@ -349,36 +350,18 @@ def _default(name, op, arch, m, groups):
 
 
 @pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])
-def test_e4m3_weights_decode_four_blocks_a_step_only_from_paired_words(mean_rows, monkeypatch):
-    """Four E4M3 blocks a step read one word a load send the decoded weight through shared
-    memory, and 128-row tiles spill with them (Triton 3.6, ``launch.e4m3_max_blocks``):
-    neither the default nor a tuning candidate has them; the paired 4-warp decode tiles of
-    up to 64 rows keep E2M1's four blocks."""
+def test_e4m3_weights_take_e2m1_tiles_four_blocks_a_step(mean_rows, monkeypatch):
+    """E4M3's layout is read four blocks a step (``layouts_e4m3``): its default is E2M1's
+    tile (with the stages measured for E4M3 on the decode tiles) and every tuning candidate
+    has four blocks."""
     monkeypatch.setattr(launch, "interpreted", lambda: False)
     m, groups = mean_rows * 32, 32
     e4m3 = BACKENDS["triton_mxfp8"]().configs(_described("triton_mxfp8", "fwd", "sm_90", m=m, groups=groups))
-    for c in e4m3:
-        paired = launch.paired_words("e4m3", c["blocks"], c["warps"], c["bn"])
-        assert c["blocks"] == 2 or (paired and c["bm"] <= 64), c
+    assert e4m3 and all(c["blocks"] == 4 for c in e4m3)
     e2m1 = launch.upcast_config(m, groups, "e2m1")
-    default = launch.upcast_config(m, groups, "e4m3")
-    four = e2m1.warps == 4 and e2m1.bn == 128 and e2m1.bm <= 64
     measured = {"stages": 4, "per_sm": 2} if e2m1.per_sm == 3 else {}  # E2M1's 3-a-SM tile lost on E4M3
     measured = {"stages": 3} if e2m1.small else measured  # the two-height tile's own measured stages
-    if e2m1.warps == 8:  # E2M1's four-block compute tiles: E4M3 keeps its two-block ones
-        assert e2m1.blocks == 4 and default.blocks == 2
-        if e2m1.bm == 128:
-            assert default == dataclasses.replace(launch.TWO_PROGRAM_TILE, tma=e2m1.tma)
-        else:  # the 256-row tile, with E2M1's programs a SM
-            assert default == dataclasses.replace(launch.TWO_BLOCK_TILE, tma=e2m1.tma, per_sm=e2m1.per_sm)
-    else:
-        assert default == dataclasses.replace(e2m1, blocks=e2m1.blocks if four else min(e2m1.blocks, 2), **measured)
-    assert launch.paired_words("e4m3", default.blocks, default.warps, default.bn) == (default.warps == 4)
-    if mean_rows <= 48:
-        assert default.blocks == 4  # the decode tiles
-    if e2m1.bm >= 128:  # the one-warpgroup 128 x 128 tile, two a SM, is the default or offered
-        candidates = launch.upcast_configs(m, groups, "e4m3")
-        assert any((c.bm, c.bn, c.warps, c.per_sm) == (128, 128, 4, 2) for c in candidates)
+    assert launch.upcast_config(m, groups, "e4m3") == dataclasses.replace(e2m1, **measured)
 
 
 @pytest.mark.parametrize("mean_rows", [2, 16, 48, 128, 512])

@@ -215,7 +215,7 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr):
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
         words = tl.load(W + rn[:, None] * stride_w + tl.arange(0, 4)[None, :] * 4 + b)
-        values = _block(words, run_scales, b, PTX, False, "e2m1")
+        values = _block(words, None, run_scales, b, PTX, False, "e2m1")
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 
 

@@ -236,12 +236,12 @@ def test_upcast_layout_round_trip(op, gen):
     w = quantize_mx_weight(torch.randn(2, 64, 160, generator=gen), "e4m3", op=op)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     runs = lay.k_padded // 128
-    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (b // 2, q, b % 2), byte (j, h)
-    codes = data.reshape(2, lay.rows, runs, 2, 4, 2, 4, 2)  # g, row, run, b // 2, q, b % 2, j, h
-    codes = codes.permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(2, lay.rows, -1)[..., : lay.k_red]
-    assert [layouts_e4m3.word_index(q, b) for b in range(4) for q in range(4)] == [
-        0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15
-    ]  # fmt: skip
+    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (q, j // 2, b), byte (j % 2, h)
+    codes = data.reshape(2, lay.rows, runs, 4, 2, 4, 2, 2)  # g, row, run, q, j // 2, b, j % 2, h
+    codes = codes.permute(0, 1, 2, 5, 4, 6, 3, 7).reshape(2, lay.rows, -1)[..., : lay.k_red]
+    assert [layouts_e4m3.word_index(q, b, high) for q in range(4) for high in range(2) for b in range(4)] == list(
+        range(32)
+    )
     words = lay.scales.transpose(1, 2)
     blocks = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(2, lay.rows, -1)
     as_mx = MXTensor(
@@ -261,8 +261,8 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr, FOLD:
     rn = tl.arange(0, BN)
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
-        words = tl.load(W + rn[:, None] * stride_w + layout_word(tl.arange(0, 4)[None, :], b, 8))
-        values = _block(words, run_scales, b, PTX, FOLD, "e4m3")
+        words = W + rn[:, None] * stride_w + layout_word(tl.arange(0, 4)[None, :], b, 8)
+        values = _block(tl.load(words), tl.load(words + 4), run_scales, b, PTX, FOLD, "e4m3")
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 
 
@@ -316,20 +316,31 @@ def test_folded_scale_multiply_matches(gen):
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("blocks", "warps"), [(2, 4), (2, 8), (4, 4), (4, 8)])
-def test_upcast_contraction_steps(blocks, warps, gen):
-    """Every way the upcast kernel reads E4M3 words, against float64, K = 192: 64- and
-    128-element steps as 16-byte pairs (4 warps, ``launch.paired_words``) or one word per
-    load (8 warps); 64-element steps also start in the middle of a 128-run, 128-element
-    ones read the layout's zero padding."""
+@pytest.mark.parametrize("warps", [4, 8])
+def test_upcast_contraction_steps(warps, gen):
+    """The upcast kernel reads E4M3 words four blocks a step, 4 or 8 warps, against float64,
+    K = 192: the second 128-run half zero padding."""
     splits = [3, 0, 29]
     n, k = 96, 192
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e4m3")
-    config = launch.UpcastConfig(bm=16, bn=128, blocks=blocks, warps=warps, stages=1, per_sm=1)
+    config = launch.UpcastConfig(bm=16, bn=128, blocks=4, warps=warps, stages=1, per_sm=1)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     got = launch.launch_upcast(x, lay, torch.tensor(splits), poison(torch.empty(32, n)), 3, config)
     assert sqnr_db(got, ref_fwd(x, w.dequantize(), splits)) >= MIN_SQNR
+
+
+def test_upcast_refuses_two_block_steps_on_e4m3(gen):
+    """A two-block config (an E2M1 tile, or a caller's) is refused for E4M3 by name, before
+    any launch; autotuning never offers one."""
+    w = quantize_mx_weight(torch.randn(2, 128, 128, generator=gen), "e4m3")
+    config = launch.UpcastConfig(bm=16, bn=128, blocks=2, warps=4, stages=1, per_sm=1)
+    x = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
+    with pytest.raises(gg.InvalidArgumentError, match="blocks=4 for E4M3"):
+        lay = layouts_e4m3.build_upcast_weight_e4m3(w)
+        launch.launch_upcast(x, lay, torch.tensor([4, 4]), torch.empty(8, 128), 2, config)
+    for m, groups in ((16, 8), (512, 8), (2048, 8), (8192, 8)):
+        assert {c.blocks for c in launch.upcast_configs(m, groups, "e4m3")} == {4}
 
 
 # ---- eligibility ---------------------------------------------------------------------------
@@ -458,24 +469,24 @@ def test_gpu_matches_reference(op, splits, path, gen):
 
 @pytest.mark.gpu
 def test_gpu_every_upcast_candidate_matches_reference(gen):
-    """Every tuning candidate of the E4M3 upcast kernel at 4 and 256 rows per group (paired
-    and one-word loads, 4 and 8 warps) against float64, skewed splits with an empty group."""
+    """Every tuning candidate of the E4M3 upcast kernel at 4 and 256 rows per group (4 and 8
+    warps) against float64, skewed splits with an empty group."""
     device = torch.device("cuda")
     groups, n, k = 6, 384, 640
     w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(device), "e4m3")
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
-    paired = set()
+    warps = set()
     for mean_rows in (4, 256):
         splits = [0, *gg.skewed_splits(groups - 1, mean_rows * groups)]
         x = torch.randn(sum(splits), k, generator=gen).to(device, torch.bfloat16)
         want = ref_fwd(x.cpu(), w.dequantize().cpu(), splits)
         sizes = torch.tensor(splits, device=device)
         for config in launch.upcast_configs(sum(splits), groups, "e4m3"):
-            paired.add(launch.paired_words("e4m3", config.blocks, config.warps, config.bn))
+            warps.add(config.warps)
             out = poison(torch.empty(x.shape[0], n, device=device))
             got = launch.launch_upcast(x, lay, sizes, out, groups, config)
             assert sqnr_db(got.cpu(), want) >= MIN_SQNR, config
-    assert paired == {True, False}
+    assert warps == {4, 8}
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ selects, and packed 16-bit lanes need carries masked. The two multiplies cost on
 ``mul.bf16x2`` per element pair each, fewer instructions than those fix-ups, and are exact
 everywhere, so the kernel uses them. (Instruction mix: docs/notes/triton_mxfp4.md.)
 
-The E4M3 weights of ``triton_mxfp8`` come as int64 words of eight E4M3 bytes (the same
+The E4M3 weights of ``triton_mxfp8`` come as pairs of int32 words, eight E4M3 bytes (the same
 fragment positions: ``layouts_e4m3``), decoded the same two ways (``e4m3_words_to_bf16``
 and ``e4m3_words_to_bf16_ptx``): there the bf16 bit trick yields value * 2^-120.
 """
@@ -230,34 +230,36 @@ def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _byte_to_bf16(words, i: tl.constexpr, factor):
-    return (e4m3_to_fp32((words >> (8 * i)) & 0xFF) * factor).to(tl.bfloat16)
+def _byte_to_bf16(word, i: tl.constexpr, factor):
+    return (e4m3_to_fp32((word >> (8 * i)) & 0xFF) * factor).to(tl.bfloat16)
 
 
 @triton.jit
-def e4m3_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
-    """int64 words of eight E4M3 bytes -> eight bf16 tensors, each value times its word's
-    scale, in the output order of ``e2m1_words_to_bf16``: output ``j + 4h`` is byte
-    ``2j + h`` (``layouts_e4m3`` stores element pair (k, k + 1) in bytes 2j, 2j + 1).
-    ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD, 120)``. Portable version."""
+def e4m3_words_to_bf16(low, high, scale_bits, FOLD: tl.constexpr):
+    """Pairs of int32 words of four E4M3 bytes each -> eight bf16 tensors, each value times
+    its words' scale, in the output order of ``e2m1_words_to_bf16``: output ``j + 4h`` is
+    byte ``2 (j % 2) + h`` of ``low`` (j < 2) or ``high`` (``layouts_e4m3`` stores element
+    pair (k, k + 1) so). ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD, 120)``.
+    Portable version."""
     factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
     if FOLD:
         factor = factor * TWO_POW_MINUS_120  # 2^(e - 7) -> 2^(e - 127), exact in fp32
-    w = words.to(tl.uint64, bitcast=True)
+    lo = low.to(tl.uint32, bitcast=True)
+    hi = high.to(tl.uint32, bitcast=True)
     return (
-        _byte_to_bf16(w, 0, factor),
-        _byte_to_bf16(w, 2, factor),
-        _byte_to_bf16(w, 4, factor),
-        _byte_to_bf16(w, 6, factor),
-        _byte_to_bf16(w, 1, factor),
-        _byte_to_bf16(w, 3, factor),
-        _byte_to_bf16(w, 5, factor),
-        _byte_to_bf16(w, 7, factor),
+        _byte_to_bf16(lo, 0, factor),
+        _byte_to_bf16(lo, 2, factor),
+        _byte_to_bf16(hi, 0, factor),
+        _byte_to_bf16(hi, 2, factor),
+        _byte_to_bf16(lo, 1, factor),
+        _byte_to_bf16(lo, 3, factor),
+        _byte_to_bf16(hi, 1, factor),
+        _byte_to_bf16(hi, 3, factor),
     )
 
 
 def _e4m3_words_ptx(fold: bool) -> str:
-    """PTX of the E4M3 word decode. Per byte pair (2j, 2j + 1) of the 64-bit word, one
+    """PTX of the E4M3 word decode. Per byte pair (2j, 2j + 1) of the two words (low, high), one
     ``prmt`` puts byte 2j in the low byte of the low 16-bit lane and its sign replicated in
     the lane's high byte (byte 2j + 1 likewise in the high lane); shifting left by 4 and
     masking with 0x87F0 per lane leaves sign at bit 15 and the seven exponent / mantissa
@@ -268,12 +270,12 @@ def _e4m3_words_ptx(fold: bool) -> str:
     range, as ``MXTensor.dequantize`` does. E4M3 NaN codes (0x7F, 0xFF) decode as 480: the
     layout builder gives blocks that hold one a NaN scale instead (``layouts_e4m3``).
     3 integer instructions per pair."""
-    lines = ["{", ".reg .b32 lo, hi, x, v, big, p0, p1, p2, p3;", "mov.b64 {lo, hi}, $8;", "mov.b32 big, 0x7b807b80;"]
-    for j, (src, sel) in enumerate((("lo", "0x9180"), ("lo", "0xB3A2"), ("hi", "0x9180"), ("hi", "0xB3A2"))):
+    lines = ["{", ".reg .b32 x, v, big, p0, p1, p2, p3;", "mov.b32 big, 0x7b807b80;"]
+    for j, (src, sel) in enumerate((("$8", "0x9180"), ("$8", "0xB3A2"), ("$9", "0x9180"), ("$9", "0xB3A2"))):
         lines += [f"prmt.b32 x, {src}, 0, {sel};", "shl.b32 x, x, 4;", "and.b32 v, x, 0x87f087f0;"]
         if not fold:
             lines.append("mul.rn.bf16x2 v, v, big;")
-        lines.append(f"mul.rn.bf16x2 p{j}, v, $9;")
+        lines.append(f"mul.rn.bf16x2 p{j}, v, $10;")
     lines += [f"mov.b32 {{${j}, ${j + 4}}}, p{j};" for j in range(4)]
     return "\n".join([*lines, "}"])
 
@@ -283,14 +285,14 @@ E4M3_WORDS_PTX_FOLDED = tl.constexpr(_e4m3_words_ptx(fold=True))
 
 
 @triton.jit
-def e4m3_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
+def e4m3_words_to_bf16_ptx(low, high, scale_bits, FOLD: tl.constexpr):
     """sm_90 version of ``e4m3_words_to_bf16`` (see ``_e4m3_words_ptx``); same results on
     every non-NaN code."""
-    # $0..$7: outputs; $8: the 64-bit word; $9: the multiplier as bf16 in both halves.
+    # $0..$7: outputs; $8, $9: the low and high words; $10: the multiplier as bf16 in both halves.
     return tl.inline_asm_elementwise(
         asm=E4M3_WORDS_PTX_FOLDED if FOLD else E4M3_WORDS_PTX,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,l,r",
-        args=[words, scale_bits],
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        args=[low, high, scale_bits],
         dtype=(tl.bfloat16,) * 8,
         is_pure=True,
         pack=1,

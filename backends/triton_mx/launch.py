@@ -4,9 +4,8 @@ Configurations are picked from shapes known on the host (M, G, N, K): never from
 sizes, which may live on the device. ``mean rows per group`` (M / G) picks the row tile:
 decode-like calls (a few tokens per expert) get 16-32-row tiles and several programs per
 SM so enough weight bytes are in flight; 65-160 rows get 128 x 128 tiles and larger
-groups 256 x 128 tiles (E2M1: 8 warps, four 32-blocks a step; E4M3: two blocks, one
-warpgroup at two programs per SM up to 160 rows). Measured choices and their reasons:
-docs/notes/triton_mxfp4.md.
+groups 256 x 128 tiles (8 warps, four 32-blocks a step; E2M1 and E4M3 share the tiles).
+Measured choices and their reasons: docs/notes/triton_mxfp4.md.
 """
 
 from __future__ import annotations
@@ -168,42 +167,19 @@ def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     return _upcast_default(m, groups, w_fmt)
 
 
-def e4m3_max_blocks(config: UpcastConfig) -> int:
-    """Most 32-blocks one contraction step of E4M3 weights may decode on a tile (sm_90 SASS
-    under Triton 3.6, 3.7.1 and 3.9, benchmarks/triton_mx_compile.py). Four where the words
-    load in pairs (``paired_words``) and the tile has at most 64 token rows: 448
-    instructions a 128-element step on the 16-row tile (Triton 3.6) against 536 for two
-    two-block steps, no shared-memory round trip (128 rows spill). Elsewhere two: four
-    one-word loads leave the decoded bf16 in the int64 words' load layout, moved into
-    wgmma's through shared memory (16 ``STSM`` + 16 ``LDSM`` and ~30 barriers a step)."""
-    return 4 if config.warps == 4 and config.bn == 128 and config.bm <= 64 else 2
-
-
-def paired_words(w_fmt: str, blocks: int, warps: int, bn: int) -> bool:
-    """Whether the upcast kernel loads a step's E4M3 words as (row, 8) tiles of 16-byte
-    pairs (``PAIRED``; one tile a two-block half of the step): fewer load instructions
-    (sm_90 SASS of the 16-row tile at two blocks: 268 instead of 290 a step), but Triton 3.6
-    keeps that load in wgmma's layout only on 4-warp tiles of 128 weight rows; on 8-warp or
-    64-row ones it converted the decoded tile through shared memory (sm_90 compiles)."""
-    return w_fmt == "e4m3" and warps == 4 and bn == 128
-
-
 #: 128 x 128 tiles of one warpgroup, two programs per SM and four stages each: 250 registers
 #: a thread under ptxas (the SM's whole register file for the pair), over the ``REGISTERS``
-#: estimate, but compiled without spills (benchmarks/triton_mx_compile.py checks both
-#: formats), so it is offered to autotuning wherever it is not the default.
+#: estimate, but compiled without spills (benchmarks/triton_mx_compile.py checks it), so it
+#: is offered to E2M1's autotuning wherever it is not the default (E4M3's default until
+#: its layout of word halves; two blocks a step).
 TWO_PROGRAM_TILE = UpcastConfig(bm=128, bn=128, blocks=2, warps=4, stages=4, per_sm=2)
 
 
 def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     config = _upcast_e2m1_default(m, groups)
     if w_fmt == "e4m3":
-        if config.blocks > e4m3_max_blocks(config):
-            # E2M1's four-block 8-warp compute tiles would load E4M3 words one at a time and
-            # send them through shared memory: E4M3 keeps the tiles it was measured with.
-            if config.bm == 128:
-                return dataclasses.replace(TWO_PROGRAM_TILE, tma=config.tma)
-            return dataclasses.replace(TWO_BLOCK_TILE, tma=config.tma, per_sm=config.per_sm)
+        # E4M3 takes E2M1's tiles (four blocks a step on every one: ``layouts_e4m3``), with
+        # the stages it was measured at on the decode tiles.
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
@@ -213,14 +189,12 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             # 2.27x for the 32-row tile alone (one run), skewed 1.95-2.05x against 1.92x (two);
             # at four stages, 2.34x and 1.95-1.98x.
             config = dataclasses.replace(config, stages=3)
-        return dataclasses.replace(config, blocks=min(config.blocks, e4m3_max_blocks(config)))
     return config
 
 
-#: The 256 x 128 tile of two blocks a step: E4M3's above 160 rows a group (for E4M3 it and
-#: the one-warpgroup tile ran within 1-3 % on pre-quantized weights, and a train step went
-#: the other way on qwen3-30B), E2M1's until its four-block steps; offered to autotuning
-#: beside E2M1's four-block default, which lost to it on some dgrad problems (one run).
+#: The 256 x 128 tile of two blocks a step: E2M1's until its four-block steps, E4M3's above
+#: 160 rows a group until its layout of word halves; offered to E2M1's autotuning beside the
+#: four-block default, which lost to it on some dgrad problems (one run).
 TWO_BLOCK_TILE = UpcastConfig(bm=256, bn=128, blocks=2, warps=8, stages=4, per_sm=1)
 
 
@@ -250,14 +224,14 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     # 0.85x against 0.68x; skewed qwen3-30B 0.79x (128 x 128: 0.83x) against 0.71x.
     if mean_rows <= 160:
         return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
-    # Two programs a SM on the 256-row tile (E4M3's too). Its 246 registers a thread leave
-    # room for one, so the second 132 wait and start as SMs free up: the hardware balances
-    # what the static every-132nd-tile walk leaves uneven. Kernel alone on the H200
+    # Two programs a SM on the 256-row tile. Its 246 registers a thread leave room for one,
+    # so the second 132 wait and start as SMs free up: the hardware balances what the static
+    # every-132nd-tile walk leaves uneven. Kernel alone on the H200
     # (docs/results/2026-12-04-h200-sweep-order.md), one program's time over two programs':
-    # median 1.01-1.12 for E2M1 fwd / dgrad and 1.09-1.15 for E4M3 over three runs of the
-    # three to seven MoE cases with this tile, balanced and skewed (the third with the
-    # default timed twice, first and last, 0.90-1.06 apart); two programs within 2 % of the
-    # best offered tile on 115 of 124 E2M1 rows.
+    # median 1.01-1.12 for E2M1 fwd / dgrad and 1.09-1.15 for E4M3 (then on its two-block
+    # tile) over three runs of the three to seven MoE cases with this tile, balanced and
+    # skewed (the third with the default timed twice, first and last, 0.90-1.06 apart); two
+    # programs within 2 % of the best offered tile on 115 of 124 E2M1 rows.
     return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=2, tma=1)
 
 
@@ -292,6 +266,8 @@ def _upcast_plan(
     time a launch on the dev CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()``
     and ``ptx_decode``, which tests and probes switch."""
     cfg = config or upcast_config(m, groups, w_fmt)
+    if w_fmt == "e4m3" and cfg.blocks != 4:
+        raise InvalidArgumentError("config", cfg, "blocks=4 for E4M3 weights (its layout is read four blocks a step)")
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
     step = 32 * cfg.blocks
     blocks = ([cfg.bm, step], [cfg.small or cfg.bm, step])
@@ -306,7 +282,6 @@ def _upcast_plan(
         PTX=ptx,
         FOLD=small_scales,
         W_FMT=w_fmt,
-        PAIRED=paired_words(w_fmt, cfg.blocks, cfg.warps, cfg.bn),
         # The compiled portable decode (tests and probes only: sm_90 takes the PTX one)
         # gave wrong sums on the H200 with TMA and four-block steps (Triton 3.6; exact
         # with pointer loads or two-block steps, cause not found): it takes pointer loads.
@@ -845,7 +820,7 @@ def grouped_configs(m: int, groups: int) -> list[GroupedConfig]:
 
 def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfig]:
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
-    weight format (E4M3: at most ``e4m3_max_blocks`` a step)."""
+    weight format (E4M3: four blocks a step, as its layout is read)."""
     d = _upcast_default(m, groups, w_fmt)
     moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16), "tma": (0, 1)}
     space = _neighbours(
@@ -855,7 +830,7 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
         space.append(TWO_PROGRAM_TILE)  # not one move away from the 256-row tile
     if d.bm == 256 and TWO_BLOCK_TILE not in space:
         space.append(TWO_BLOCK_TILE)  # two moves (blocks, stages) from E2M1's default
-    return [c for c in space if w_fmt != "e4m3" or c.blocks <= e4m3_max_blocks(c)]
+    return [c for c in space if w_fmt != "e4m3" or c.blocks == 4]
 
 
 def scaled_configs(m: int, groups: int) -> list[ScaledConfig]:

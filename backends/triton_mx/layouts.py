@@ -68,7 +68,7 @@ class UpcastWeight:
     k_red: int
     k_padded: int
     small_scales: bool = False
-    #: Element format: "e2m1" (int32 words, built here) or "e4m3" (int64 words: ``layouts_e4m3``).
+    #: Element format: "e2m1" (16 int32 words a run, built here) or "e4m3" (32: ``layouts_e4m3``).
     fmt: str = "e2m1"
     #: The strides the upcast kernel takes (data's first three, the scales' first two), read
     #: once per layout: a cached MXTensor's layout serves many launches (issue 14).
@@ -84,11 +84,11 @@ def _empty_layout(
     """An unfilled layout of ``fmt`` (the kernels write every word and scale, padding included)."""
     k_padded = -(-k_red // K_ALIGN) * K_ALIGN
     runs = k_padded // K_ALIGN
-    words = torch.int64 if fmt == "e4m3" else torch.int32
+    words = 32 if fmt == "e4m3" else 16
     if run_major:
-        data = torch.empty(groups, runs, rows, 16, dtype=words, device=device).transpose(1, 2)
+        data = torch.empty(groups, runs, rows, words, dtype=torch.int32, device=device).transpose(1, 2)
     else:
-        data = torch.empty(groups, rows, runs, 16, dtype=words, device=device)
+        data = torch.empty(groups, rows, runs, words, dtype=torch.int32, device=device)
     scales = torch.empty(groups, runs, rows, dtype=torch.int32, device=device)
     return UpcastWeight(data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, fmt=fmt)
 

@@ -2,16 +2,16 @@
 
 Same ``UpcastWeight`` as ``layouts.build_upcast_weight`` (rows x contraction per group,
 contraction zero-padded to 128, scales (G, Kp/128, rows) int32, run-major words), with
-``fmt="e4m3"`` and ``data`` (G, rows, Kp/128, 16) **int64**: an E4M3 element is a byte, so
-the eight elements one thread holds of a 32-block in wgmma's register fragment (elements
-``32b + 8j + 2q + h``, j in 0..3, h in 0..1, for ``q = lane % 4``) fill one int64, element
-``8j + 2q + h`` at byte ``2j + h``. Word order within a run: ``8 * (b // 2) + 2q + b % 2``
-(``word_index``), not E2M1's ``4q + b``: the kernel decodes E4M3 two blocks a step on
-most tiles (``launch.e4m3_max_blocks``), and this order gives each step whole 32-byte
-sectors of a row (words 0-7, then 8-15), where ``4q + b`` would give it half of each
-sector and every sector would be fetched twice; a four-block step reads both halves, each
-thread its two 16-byte pairs. Only the word positions differ from E2M1: the decode is
-``decode.e4m3_words_to_bf16``.
+``fmt="e4m3"`` and ``data`` (G, rows, Kp/128, 32) int32: an E4M3 element is a byte, so the
+eight elements one thread holds of a 32-block in wgmma's register fragment (elements
+``32b + 8j + 2q + h``, j in 0..3, h in 0..1, for ``q = lane % 4``) fill two int32 words,
+the low one j = 0, 1 and the high one j = 2, 3, element ``8j + 2q + h`` at byte
+``2 (j % 2) + h`` (``word_index``: word ``8q + 4 (j // 2) + b``). A thread's low words of
+the four blocks of a run are one 16-byte piece and its high words the next, the shape in
+which E2M1's words load: the kernel decodes E4M3 four blocks a step on every tile as E2M1
+does, where int64 words (this layout until 2026-12-04) could not keep the wgmma layout on
+8-warp tiles at four blocks (the decoded tile went through shared memory). Only the word
+positions differ from E2M1: the decode is ``decode.e4m3_words_to_bf16``.
 
 NaN codes (0x7F, 0xFF): the sm_90 decode has no select for them, so the builder gives every
 32-block holding one the NaN scale byte 0xFF. A GEMM output element that reads a NaN
@@ -29,12 +29,16 @@ from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcas
 from grouped_gemm.mx import MXTensor
 
 
-def word_index(q: int, b: int) -> int:
-    """The word of a 128-run that holds thread-quad position ``q``'s elements of 32-block
-    ``b`` (the module docstring says why this order)."""
-    return 8 * (b // 2) + 2 * q + b % 2
+def word_index(q: int, b: int, high: int) -> int:
+    """The int32 word of a 128-run that holds thread-quad position ``q``'s elements j = 0, 1
+    (``high`` 0) or j = 2, 3 (``high`` 1) of 32-block ``b`` (the module docstring says why
+    this order)."""
+    return 8 * q + 4 * high + b
 
 
+#: Names this layout in the backend's version, so tunings stored for the int64-word layout
+#: (whose two-block tiles this one cannot run) are not loaded.
+LAYOUT = "e4m3-halves"
 #: Largest scale byte whose folded multiplier 2^(e - 7) is a finite bf16.
 FOLD_MAX_SCALE = 134
 NAN_SCALE = 255
@@ -52,11 +56,11 @@ def build_upcast_weight_e4m3(mx: MXTensor, check_scales: bool = False) -> Upcast
     nan_blocks = ((codes & 0x7F) == 0x7F).reshape(groups, rows, k_red // 32, 32).any(-1)
     scale = torch.where(nan_blocks, torch.full_like(scale, NAN_SCALE), scale)
     codes = torch.nn.functional.pad(codes, (0, k_padded - k_red))
-    # Element 32b + 8j + 2q + h of each 128-run -> word 8 * (b // 2) + 2q + b % 2, byte
-    # 2j + h; run-major.
-    split = codes.reshape(groups, rows, runs, 2, 2, 4, 4, 2)  # g, row, run, b // 2, b % 2, j, q, h
-    ordered = split.permute(0, 2, 1, 3, 6, 4, 5, 7).contiguous()  # g, run, row, b // 2, q, b % 2, j, h
-    data = ordered.reshape(groups, runs, rows, 16, 8).view(torch.int64).reshape(groups, runs, rows, 16).transpose(1, 2)
+    # Element 32b + 8j + 2q + h of each 128-run (j = 2 * jh + jl) -> int32 word
+    # 8q + 4 jh + b, byte 2 jl + h; run-major.
+    split = codes.reshape(groups, rows, runs, 4, 2, 2, 4, 2)  # g, row, run, b, jh, jl, q, h
+    ordered = split.permute(0, 2, 1, 6, 4, 3, 5, 7).contiguous()  # g, run, row, q, jh, b, jl, h
+    data = ordered.reshape(groups, runs, rows, 32, 4).view(torch.int32).reshape(groups, runs, rows, 32).transpose(1, 2)
     blocks = torch.nn.functional.pad(scale, (0, (k_padded - k_red) // 32)).contiguous()
     scales = blocks.view(torch.int32).transpose(1, 2).contiguous()
     capturing = mx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

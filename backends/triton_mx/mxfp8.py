@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__
-from grouped_gemm.backends.triton_mx import calls, launch, operands
+from grouped_gemm.backends.triton_mx import calls, launch, layouts_e4m3, operands
 
 _GRAD_FORMATS = ("e4m3", "e5m2")
 
@@ -28,7 +28,7 @@ class TritonMxfp8Backend(Backend):
 
     spec = BackendSpec(
         name="triton_mxfp8",
-        version=__version__,
+        version=f"{__version__}+{layouts_e4m3.LAYOUT}",
         description="persistent Triton MXFP8 grouped GEMM: dot_scaled (gfx950, sm_100), exact bf16 upcast (sm_90)",
         recipes=frozenset({"mxfp8"}),
         mx_formats=frozenset({"e4m3", "e5m2"}),

@@ -10,8 +10,8 @@ the software-pipelined shared-memory loads (cp.async; the words 16 bytes per thr
 
 The same kernel serves fwd (weight quantized along K) and dgrad (weight quantized along N,
 laid out as (K, N)): only the layout differs. ``W_FMT`` picks the weight format: E2M1
-(``layouts``: int32 words of eight codes) or E4M3 (``layouts_e4m3``: int64 words of eight
-bytes at the same fragment positions, so everything but the decode is shared).
+(``layouts``: int32 words of eight codes) or E4M3 (``layouts_e4m3``: pairs of int32 words
+of four bytes at the same fragment positions, so everything but the decode is shared).
 
 With ``TMA`` the activations come through tensor descriptors instead (``A`` of ``BM``-row
 blocks, ``A_SMALL`` of ``SMALL``-row ones; sm_90 and newer): the copy engine zero-fills
@@ -45,9 +45,10 @@ def _concat_k(a, b):
 
 
 @triton.jit
-def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, W_FMT: tl.constexpr):
-    """The (rows, 4) words of 32-block ``b`` (word q in column q) -> its (rows, 32) bf16
-    values in contraction order: decoded value j + 4h of word q is element 8j + 2q + h."""
+def _block(words, high, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, W_FMT: tl.constexpr):
+    """The (rows, 4) words of 32-block ``b`` (word q in column q; E4M3: ``words`` and
+    ``high`` hold elements j = 0, 1 and j = 2, 3) -> its (rows, 32) bf16 values in
+    contraction order: decoded value j + 4h of position q is element 8j + 2q + h."""
     if W_FMT == "e2m1":
         scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD)[:, None]
         if PTX:
@@ -57,12 +58,22 @@ def _block(words, run_scales, b: tl.constexpr, PTX: tl.constexpr, FOLD: tl.const
     else:
         scale = e8m0_to_bf16x2((run_scales >> (8 * b)) & 0xFF, FOLD, 120)[:, None]
         if PTX:
-            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16_ptx(words, scale, FOLD)
+            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16_ptx(words, high, scale, FOLD)
         else:
-            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16(words, scale, FOLD)
+            o0, o1, o2, o3, o4, o5, o6, o7 = e4m3_words_to_bf16(words, high, scale, FOLD)
     hj = tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
     # row, q, h, j bit 0, j bit 1 -> row, j bit 1, j bit 0, q, h
     return hj.permute(0, 4, 3, 1, 2).reshape(words.shape[0], 32)
+
+
+@triton.jit
+def _by_block(words):
+    """(rows, 4, 4) words (q, block) -> the four blocks' (rows, 4) words, in wgmma's layout."""
+    rows: tl.constexpr = words.shape[0]
+    w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -83,7 +94,6 @@ def _step(
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
-    PAIRED: tl.constexpr,
     TMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -95,54 +105,39 @@ def _step(
     operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
     BK: tl.constexpr = 32 * BLOCKS
     if BLOCKS == 4:
-        # k is a multiple of 128, so the step starts a run: a constant 0 lets the E2M1 words
-        # of a (row, q) load as one 16-byte piece, where a runtime ``first`` made them four
-        # 4-byte copies and four 4-byte shared-memory reads (every 32-byte sector visited
-        # eight times a step).
+        # k is a multiple of 128, so the step starts a run: a constant 0 lets a (row, q)'s
+        # words load as one 16-byte piece (E4M3: two), where a runtime ``first`` made them
+        # four 4-byte copies and four 4-byte shared-memory reads (every 32-byte sector
+        # visited eight times a step).
         first = 0
     else:
+        tl.static_assert(W_FMT == "e2m1", "E4M3 weights are decoded four blocks a step")
         first = (k % 128) // 32
-    rows: tl.constexpr = w_rows.shape[0]
     run = (k // 128) * stride_wr
-    if W_FMT == "e2m1":  # word 4q + b (layouts)
-        cols = run + tl.arange(0, 4)[None, :, None] * 4 + first + tl.arange(0, BLOCKS)[None, None, :]
-        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
-    elif PAIRED:
-        # Word 8 * (b // 2) + 2q + b % 2 (layouts_e4m3): a two-block step's eight words from
-        # 4 * first, loaded as one contiguous (row, 8) tile (a 16-byte pair per thread) and
-        # split into (q, b % 2) after: Triton's load layout is then wgmma's on 4-warp tiles.
-        # A four-block step loads both halves of the run so, as two such tiles: one
-        # (row, 16) tile split in registers went through shared memory under Triton 3.7.1.
-        cols = run + 4 * first + tl.arange(0, 8)[None, :]
-        words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
-        if BLOCKS == 4:
-            high = tl.load(w_rows[:, None] + cols + 8, mask=n_ok[:, None], other=0).reshape(rows, 4, 2)
-    elif BLOCKS == 2:
-        # The same words one per load: written (k % 128) // 8, 4 * first has no alignment
-        # Triton 3.6 can prove, and a vectorized pair load made its layout pass convert the
-        # decoded tile through shared memory on 8-warp tiles.
-        first4 = (k % 128) // 8
-        cols = run + first4 + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
-    else:  # the same order, four blocks from first = 0 (the interpreter's tiles)
-        cols = run + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[None, None, :], 8)
-        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)
+    q = tl.arange(0, 4)[None, :, None]
+    b = first + tl.arange(0, BLOCKS)[None, None, :]
+    # Word 4q + b (E2M1, layouts); E4M3 words 8q + b and 8q + 4 + b, its two halves (layouts_e4m3).
+    cols = run + layout_word(q, b, 8 if W_FMT == "e4m3" else 4)
+    words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
+    if W_FMT == "e4m3":
+        high = tl.load(w_rows[:, None, None] + cols + 4, mask=n_ok[:, None, None], other=0)
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)
-        w = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
-    else:
-        if W_FMT == "e4m3" and PAIRED:
-            w0, w1 = tl.split(words)
-            w2, w3 = tl.split(high)
-        else:
-            w02, w13 = tl.split(words.reshape(rows, 4, 2, 2))
-            w0, w2 = tl.split(w02)
-            w1, w3 = tl.split(w13)
-        w01 = _concat_k(_block(w0, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, run_scales, 1, PTX, FOLD, W_FMT))
         w = _concat_k(
-            w01, _concat_k(_block(w2, run_scales, 2, PTX, FOLD, W_FMT), _block(w3, run_scales, 3, PTX, FOLD, W_FMT))
+            _block(w0, None, run_scales, 0, PTX, FOLD, W_FMT), _block(w1, None, run_scales, 1, PTX, FOLD, W_FMT)
         )
+    else:
+        w0, w1, w2, w3 = _by_block(words)
+        if W_FMT == "e4m3":
+            h0, h1, h2, h3 = _by_block(high)
+        else:
+            h0, h1, h2, h3 = None, None, None, None
+        b0 = _block(w0, h0, run_scales, 0, PTX, FOLD, W_FMT)
+        b1 = _block(w1, h1, run_scales, 1, PTX, FOLD, W_FMT)
+        b2 = _block(w2, h2, run_scales, 2, PTX, FOLD, W_FMT)
+        b3 = _block(w3, h3, run_scales, 3, PTX, FOLD, W_FMT)
+        w = _concat_k(_concat_k(b0, b1), _concat_k(b2, b3))
     if TMA:
         x = a_src.load([a_row, k]).T
     else:
@@ -218,7 +213,6 @@ def upcast_grouped_kernel(
     PTX: tl.constexpr,
     FOLD: tl.constexpr,
     W_FMT: tl.constexpr,
-    PAIRED: tl.constexpr,
     TMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -241,7 +235,7 @@ def upcast_grouped_kernel(
         # The step's constexprs go as a tuple literal: a tuple bound to a name would be
         # converted to tensors, which W_FMT (a string) cannot be.
         if SMALL == 0:
-            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP), TMA, INTERP)
+            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP), TMA, INTERP)
         elif count <= SMALL:
             _tile(
                 A_SMALL,
@@ -249,10 +243,10 @@ def upcast_grouped_kernel(
                 *tail,
                 SMALL,
                 BK,
-                (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP),
+                (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP),
                 TMA,
                 INTERP,
             )
         else:
-            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, PAIRED, TMA, INTERP), TMA, INTERP)
+            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP), TMA, INTERP)
         t += NUM_PROGS

@@ -1,9 +1,9 @@
 """Kernels that write the upcast weight layout (``layouts.UpcastWeight``) in one pass.
 
-- ``quantize_upcast_kernel``: a high-precision
-  (bf16 / fp16 / fp32) weight straight to the layout of E2M1 or E4M3 (``layouts_e4m3``: a
-  byte per element, int64 words), quantizing each 32-block with the MX quantizer's own jit
-  helpers (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the
+- ``quantize_upcast_kernel``: a high-precision (bf16 / fp16 / fp32) weight straight to
+  the layout of E2M1 or E4M3 (``layouts_e4m3``: a byte per element, each block's eight
+  bytes of a thread in two int32 words), quantizing each 32-block with the MX quantizer's
+  own jit helpers (``grouped_gemm.mx.triton_kernels``: same scale rules, same rounding, so the
   result is bit-identical to ``quantize_mx_weight`` followed by the layout). Training
   re-quantizes the weights every step; this reads the weight once and writes 0.53 (E2M1)
   or 1.03 (E4M3) bytes per element, with no MXTensor in between and nothing read back to
@@ -76,13 +76,25 @@ def _load_threads_first(ptrs, mask, THREADED: tl.constexpr, BACK: tl.constexpr, 
 def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.constexpr):
     """Words from codes whose axes ``J_AXIS`` / ``H_AXIS`` hold j and h (``j``, ``h``: their
     indices, broadcastable): E2M1 codes as nibble ``j + 4h`` of an int32, then moved to the
-    stored arrangement (``_arrange_e2m1``), or E4M3 byte ``2j + h`` of an int64
-    (``layouts_e4m3``). The codes occupy disjoint bits, so the sum is their OR."""
+    stored arrangement (``_arrange_e2m1``), or E4M3 byte ``2j + h`` of an int64 whose low
+    and high int32 halves ``_store_words`` puts apart (``layouts_e4m3``). The codes occupy
+    disjoint bits, so the sum is their OR."""
     if NBITS == 8:
         words = tl.sum(tl.sum(code.to(tl.int64) << (16 * j + 8 * h).to(tl.int64), axis=H_AXIS), axis=J_AXIS)
     else:
         words = _arrange_e2m1(tl.sum(tl.sum(code << (4 * j + 16 * h), axis=H_AXIS), axis=J_AXIS))
     return words
+
+
+@triton.jit
+def _store_words(ptrs, words, mask, NBITS: tl.constexpr):
+    """E2M1 int32 words at ``ptrs``; E4M3 int64 words as their low int32 half at ``ptrs``
+    (``layout_word``) and their high half four words on (``layouts_e4m3.word_index``)."""
+    if NBITS == 8:
+        tl.store(ptrs, words.to(tl.int32), mask=mask)
+        tl.store(ptrs + 4, (words >> 32).to(tl.int32), mask=mask)
+    else:
+        tl.store(ptrs, words, mask=mask)
 
 
 def _nibble_order_moves() -> list[tuple[int, int]]:
@@ -120,11 +132,11 @@ def _arrange_e2m1(words):
 
 @triton.jit
 def layout_word(q, b, NBITS: tl.constexpr):
-    """The word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py) or
-    ``8 * (b // 2) + 2q + b % 2`` (E4M3, ``layouts_e4m3.word_index``). The upcast kernel
-    reads E4M3 words by it too."""
+    """The int32 word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py)
+    or, for E4M3, ``8q + b`` for elements j = 0, 1 and four on for j = 2, 3
+    (``layouts_e4m3.word_index``). The upcast kernel reads the words by it too."""
     if NBITS == 8:
-        return 8 * (b // 2) + 2 * q + b % 2
+        return 8 * q + b
     return 4 * q + b
 
 
@@ -216,7 +228,7 @@ def quantize_upcast_kernel(
         words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
         row3 = row0 + tl.arange(0, ROWS)[None, :, None]
         offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
-    tl.store(data_ptr + g * sd_g + run * sd_run + offsets, words, mask=row3 < rows)
+    _store_words(data_ptr + g * sd_g + run * sd_run + offsets, words, row3 < rows, NBITS)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
 
