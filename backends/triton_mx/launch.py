@@ -421,10 +421,12 @@ def launch_grouped(
     tensor descriptors when the config asks for them and ``tma_runs``."""
     m, groups = a.shape[0], w.shape[0]
     n_out, k_red = (w.shape[1], w.shape[2]) if transpose_w else (w.shape[2], w.shape[1])
-    cfg = config or _grouped_config(m, groups)
-    programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, a.device, cfg.per_sm)
-    tma = bool(cfg.tma) and tma_runs(a, w)
-    if tma:  # descriptors in place of the pointers; the operands' strides go unread then
+    programs, cfg, constexprs, without_tma = _grouped_plan(
+        interpreted(), m, groups, n_out, k_red, transpose_w, a.device, config
+    )
+    if without_tma is not None and not tma_runs(a, w):
+        constexprs = without_tma
+    if constexprs.kwargs["TMA"]:  # descriptors in place of the pointers; the operands' strides go unread then
         w_block = [1, cfg.bn, cfg.bk] if transpose_w else [1, cfg.bk, cfg.bn]
         a_arg, w_arg = TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, w_block)
         strides = (0, 0, 0, 0)
@@ -432,8 +434,9 @@ def launch_grouped(
         # Weight strides as (group, contraction, output column).
         stride_wc, stride_wo = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
         a_arg, w_arg, strides = a, w, (a.stride(0), w.stride(0), stride_wc, stride_wo)
-    _GROUPED(
+    _GROUPED.launch(
         (programs,),
+        constexprs,
         a_arg,
         strides[0],
         w_arg,
@@ -444,19 +447,42 @@ def launch_grouped(
         groups,
         n_out,
         k_red,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_plan(
+    interp: bool,
+    m: int,
+    groups: int,
+    n_out: int,
+    k_red: int,
+    transpose_w: bool,
+    device: torch.device,
+    config: GroupedConfig | None,
+) -> tuple[int, GroupedConfig, Constexprs, Constexprs | None]:
+    """(programs, tiles, constexprs and options, the same with TMA off where the tile asks
+    for it: for operands TMA cannot describe; else None) of a plain grouped launch, worked
+    out once per shape and tile and then looked up, as ``_upcast_plan`` is: the launcher
+    keys on one interned ``Constexprs`` instead of a dozen keywords (issue 14)."""
+    cfg = config or _grouped_config(m, groups)
+    programs = _persistent_programs(m, groups, cfg.bm, n_out, cfg.bn, device, cfg.per_sm)
+    constexprs = Constexprs(
         BM=cfg.bm,
         BN=cfg.bn,
         BK=cfg.bk,
         MAX_G=max_groups_bucket(groups),
         NUM_PROGS=programs,
         EVEN_K=k_red % cfg.bk == 0,
-        TMA=tma,
-        TRANSPOSE_W=tma and transpose_w,  # pointer loads get it from the strides: one compile for both ops
-        INTERP=interpreted(),
+        TMA=bool(cfg.tma),
+        TRANSPOSE_W=bool(cfg.tma) and transpose_w,  # pointer loads get it from the strides: one compile for both ops
+        INTERP=interp,
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
-    return out
+    without_tma = constexprs.replace(TMA=False, TRANSPOSE_W=False) if cfg.tma else None
+    return programs, cfg, constexprs, without_tma
 
 
 @dataclasses.dataclass(frozen=True)
