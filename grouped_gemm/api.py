@@ -18,7 +18,7 @@ from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeErr
 from grouped_gemm.group_offsets import host_split_ints
 from grouped_gemm.plugins import PluginFailure
 from grouped_gemm.problem import OPS, Op, Problem, build_problem
-from grouped_gemm.recipes import Recipe, get_recipe
+from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
 from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, dtype_name
@@ -88,7 +88,7 @@ def describe_problem(
     m: int,
     n: int,
     k: int,
-    recipe: str | Recipe = "bf16",
+    recipe: str | Recipe | None = None,
     dtype: torch.dtype | str | None = None,
     out_dtype: torch.dtype | str | None = None,
     device: DeviceInfo | str | None = None,
@@ -101,7 +101,8 @@ def describe_problem(
 
     ``device`` is a DeviceInfo or an arch name (default: the ``use_device`` in force, else
     this machine's current device); ``splits`` is ``"balanced"``, ``"skewed"`` or explicit
-    group sizes. The Problem is built as a real call with such tensors builds it.
+    group sizes; ``recipe=None`` is the plain recipe of ``dtype`` (bf16 without one), as a
+    call's operands pick it. The Problem is built as a real call with such tensors builds it.
     """
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
@@ -113,7 +114,10 @@ def describe_problem(
     for name, flag in (("device_splits", device_splits), ("accumulate", accumulate), ("weight_list", weight_list)):
         if not isinstance(flag, bool):
             raise InvalidTypeError(name, flag, "True or False")
-    resolved = get_recipe(recipe)
+    if recipe is None:
+        resolved = plain_recipe_for(_dtype_name(dtype, "dtype") if dtype is not None else "bfloat16")
+    else:
+        resolved = get_recipe(recipe)
     info = described_device(device)
     if isinstance(splits, str):
         if splits not in ("balanced", "skewed"):
@@ -190,9 +194,7 @@ def explain(
             raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
         problem = call.problem()
     else:
-        problem = describe_problem(
-            op=op, recipe=recipe or "bf16", out_dtype=out_dtype, accumulate=accumulate, **described
-        )
+        problem = describe_problem(op=op, recipe=recipe, out_dtype=out_dtype, accumulate=accumulate, **described)
     decision, _ = decide(problem, call_order(backend))
     return decision
 

@@ -374,6 +374,14 @@ def test_explain_described_rejects_bad_values(change, name):
         gg.explain(**args)
 
 
+@pytest.mark.parametrize(("dtype", "recipe"), [(torch.float16, "fp16"), ("float32", "fp32"), (None, "bf16")])
+def test_described_dtype_picks_its_plain_recipe(dtype, recipe):
+    """Without recipe=, a described dtype picks its plain recipe, as a call's operands do;
+    an explicit plain recipe of another dtype is refused (above)."""
+    problem = gg.describe_problem(groups=4, m=4, n=8, k=8, dtype=dtype, device="sm_90")
+    assert problem.recipe == recipe and problem.a_format == gg.get_recipe(recipe).plain_dtype
+
+
 QUANTIZE = [
     ({"t": "tensor"}, "t"),
     ({"t": torch.ones(4, 64, dtype=torch.int32)}, "t"),
