@@ -67,7 +67,8 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             raise InvalidArgumentError(name, buf, "a dense contiguous tensor (wgrad adds into it in place)")
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
-        if _shares_memory(buf, w):
+        # (Dynamo cannot trace storage pointers: the overlap check is eager-only.)
+        if not torch.compiler.is_compiling() and _shares_memory(buf, w):
             raise InvalidArgumentError(name, buf, "a buffer that shares no memory with the weight")
         found.append(buf)
     return found
