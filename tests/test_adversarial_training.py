@@ -38,3 +38,58 @@ def test_a_bad_main_grad_is_named_at_forward(bad, gen):
     x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
     with pytest.raises(gg.GroupedGemmError, match=r"^weight\.main_grad="):
         layer(x, SPLITS)
+
+
+# ---- MXTensor parts and the weight quantizer ------------------------------------------------
+
+
+def _parts(**change: object) -> dict[str, object]:
+    parts: dict[str, object] = {
+        "data": torch.zeros(4, 64, dtype=torch.float8_e4m3fn),
+        "scale": torch.full((4, 2), 127, dtype=torch.uint8),
+        "fmt": "e4m3",
+        "axis": 1,
+        "shape": (4, 64),
+    }
+    return {**parts, **change}
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ({"shape": 64}, "shape"),
+        ({"shape": None}, "shape"),
+        ({"shape": ("4", 64)}, "shape"),
+        ({"shape": (4.7, 64)}, "shape"),
+        ({"block_size": 32.0}, "block_size"),
+        ({"block_size": "32"}, "block_size"),
+    ],
+)
+def test_mxtensor_parts_of_the_wrong_type_are_named(change, name):
+    """``shape`` went through ``tuple(int(s) for s in shape)``: an int or None raised a bare
+    TypeError, ``(4.7, 64)`` was truncated to ``(4, 64)`` silently; ``block_size=32.0``
+    passed ``in BLOCK_SIZES`` and crashed in ``dequantize``'s reshape."""
+    with pytest.raises(gg.GroupedGemmError, match=rf"^{name}="):
+        gg.MXTensor(**_parts(**change)).dequantize()
+
+
+def test_mxtensor_accepts_a_torch_size_and_numpy_ints():
+    np = pytest.importorskip("numpy")
+    t = gg.MXTensor(**_parts(shape=torch.Size([4, np.int64(64)]), block_size=np.int32(32)))
+    assert t.shape == (4, 64) and type(t.block_size) is int
+    assert torch.equal(t.dequantize(), torch.zeros(4, 64))
+
+
+@pytest.mark.parametrize(
+    ("w", "op", "name"),
+    [
+        (lambda: torch.randn(2, 8, 64), ["fwd"], "op"),
+        (lambda: [torch.randn(8, 64), torch.randn(8, 32)], "fwd", r"w\[1\]"),
+        (lambda: [torch.randn(8, 64), torch.randn(8, 64, device="meta")], "fwd", r"w\[1\]"),
+    ],
+)
+def test_quantize_mx_weight_names_what_is_wrong(w, op, name):
+    """An unhashable ``op`` raised ``TypeError: unhashable type``; a weight list of mixed
+    shapes or devices failed inside ``torch.stack`` without naming the weight."""
+    with pytest.raises(gg.GroupedGemmError, match=rf"^{name}="):
+        gg.quantize_mx_weight(w(), "e4m3", op=op)
