@@ -93,3 +93,21 @@ def test_quantize_mx_weight_names_what_is_wrong(w, op, name):
     shapes or devices failed inside ``torch.stack`` without naming the weight."""
     with pytest.raises(gg.GroupedGemmError, match=rf"^{name}="):
         gg.quantize_mx_weight(w(), "e4m3", op=op)
+
+
+# ---- registry and orders -----------------------------------------------------------------
+
+
+def test_unregister_an_unhashable_name_is_named():
+    """``unregister_backend(["x"])`` raised ``TypeError: unhashable type`` from a dict lookup."""
+    with pytest.raises(gg.UnknownBackendError, match=r"^backend=\['reference'\]"):
+        gg.unregister_backend(["reference"])
+    assert "reference" in {b.name for b in gg.list_backends()}
+
+
+@pytest.mark.parametrize("names", [3, {"reference"}, None])
+def test_an_order_mapping_needs_names_in_order(names):
+    """A mapping's value went through ``list(names)``: ``{"fp32": 3}`` raised a bare
+    TypeError, and a set was accepted in an arbitrary order (a top-level set is refused)."""
+    with pytest.raises(gg.ConfigError, match=r"^order="), gg.use_backends({"fp32": names}):
+        pass
