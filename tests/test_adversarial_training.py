@@ -5,12 +5,14 @@ Each failed before its fix; CPU only, small shapes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm import tuning_store
 
 G, K, N = 2, 32, 8
 SPLITS = [3, 5]
@@ -111,3 +113,35 @@ def test_an_order_mapping_needs_names_in_order(names):
     TypeError, and a set was accepted in an arbitrary order (a top-level set is refused)."""
     with pytest.raises(gg.ConfigError, match=r"^order="), gg.use_backends({"fp32": names}):
         pass
+
+
+# ---- the autotune store -------------------------------------------------------------------
+
+
+def _tuning() -> tuning_store.Tuning:
+    timing = tuning_store.Timing("a", None, 1.0, 3)
+    return tuning_store.Tuning("k", "p", 1, "a", None, "a", (timing,), 1.0, "now")
+
+
+def test_a_store_file_that_is_not_utf8_is_ignored_and_rewritten(tmp_path):
+    """``read_text`` raises UnicodeDecodeError (a ValueError, not an OSError) on a file of
+    binary junk: it escaped ``load``, so every autotuned call failed, and ``save``."""
+    path = tmp_path / "autotune" / "x.json"
+    path.parent.mkdir()
+    path.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.warns(tuning_store.AutotuneCacheWarning, match="corrupt"):
+        assert tuning_store.load(path, {"device": "d"}) == {}
+    assert tuning_store.save(path, {"device": "d"}, {"k": _tuning()})
+    assert list(tuning_store.load(path, {"device": "d"})) == ["k"]
+
+
+def test_an_infinite_number_in_a_store_entry_is_corrupt(tmp_path):
+    """``json`` reads ``Infinity``; ``int()`` of it raises OverflowError, which escaped the
+    corrupt-file handling (ValueError, TypeError, KeyError, AttributeError)."""
+    path = tmp_path / "x.json"
+    assert tuning_store.save(path, {"device": "d"}, {"k": _tuning()})
+    document = json.loads(path.read_text())
+    document["entries"]["k"]["m"] = float("inf")
+    path.write_text(json.dumps(document))
+    with pytest.warns(tuning_store.AutotuneCacheWarning, match="corrupt"):
+        assert tuning_store.load(path, {"device": "d"}) == {}
