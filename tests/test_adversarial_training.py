@@ -145,3 +145,18 @@ def test_an_infinite_number_in_a_store_entry_is_corrupt(tmp_path):
     path.write_text(json.dumps(document))
     with pytest.warns(tuning_store.AutotuneCacheWarning, match="corrupt"):
         assert tuning_store.load(path, {"device": "d"}) == {}
+
+
+# ---- explain / describe_problem -----------------------------------------------------------
+
+
+def test_only_wgrad_can_be_explained_with_accumulate(gen):
+    """``explain(op="fwd", accumulate=True)`` with tensors dropped the flag silently, and
+    described (also ``grouped-gemm explain --op fwd --accumulate``) routed a "fwd ...
+    (accumulate)" problem that no call can make."""
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^accumulate=True .*op='fwd'"):
+        gg.explain(x, w, [2, 4], op="fwd", accumulate=True)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^accumulate=True .*op='dgrad'"):
+        gg.describe_problem(op="dgrad", groups=2, m=6, n=3, k=4, accumulate=True)
+    assert gg.describe_problem(op="wgrad", groups=2, m=6, n=3, k=4, accumulate=True).accumulate
