@@ -160,3 +160,14 @@ def test_only_wgrad_can_be_explained_with_accumulate(gen):
     with pytest.raises(gg.InvalidArgumentError, match=r"^accumulate=True .*op='dgrad'"):
         gg.describe_problem(op="dgrad", groups=2, m=6, n=3, k=4, accumulate=True)
     assert gg.describe_problem(op="wgrad", groups=2, m=6, n=3, k=4, accumulate=True).accumulate
+
+
+@pytest.mark.parametrize("spoil", [lambda p: torch.randn(N, K + 1), lambda p: p.detach().double()])
+def test_a_replaced_first_expert_weight_is_the_one_named(spoil, gen):
+    """Weight lists were checked against ``w[0]``: with ``weight0`` of a ``separate_weights``
+    layer replaced by one of another shape or dtype, the error blamed ``w[1]`` and claimed
+    every expert's weight should look like the new one."""
+    layer = gg.GroupedLinear(3, K, N, recipe="fp32", separate_weights=True)
+    layer.weight0 = torch.nn.Parameter(spoil(layer.weight0))
+    with pytest.raises(gg.GroupedGemmError, match=r"^w\[0\]="):
+        layer(torch.randn(9, K, generator=gen), [3, 3, 3])
