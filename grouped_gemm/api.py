@@ -81,6 +81,13 @@ def grouped_gemm_wgrad(
     return DISPATCHER.run(validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate), backend)
 
 
+def _check_accumulate(op: Any, accumulate: Any) -> None:
+    """Only wgrad accumulates (``grouped_gemm_wgrad(..., accumulate=True)``): a fwd or dgrad
+    decision "with accumulate" would describe a call that cannot be made."""
+    if accumulate is True and op in OPS and op != "wgrad":
+        raise InvalidArgumentError("accumulate", accumulate, f"False for op={op!r}; only wgrad accumulates into out")
+
+
 def describe_problem(
     *,
     op: Op = "fwd",
@@ -114,6 +121,7 @@ def describe_problem(
     for name, flag in (("device_splits", device_splits), ("accumulate", accumulate), ("weight_list", weight_list)):
         if not isinstance(flag, bool):
             raise InvalidTypeError(name, flag, "True or False")
+    _check_accumulate(op, accumulate)
     if recipe is None:
         resolved = plain_recipe_for(_dtype_name(dtype, "dtype") if dtype is not None else "bfloat16")
     else:
@@ -186,6 +194,7 @@ def explain(
     if a is not None:
         if described:
             raise InvalidArgumentError("explain", sorted(described), "tensors or a description, not both")
+        _check_accumulate(op, accumulate)
         if op == "wgrad":
             call = validation.wgrad(a, b, m_splits, recipe, out, out_dtype, accumulate)
         elif op in OPS:

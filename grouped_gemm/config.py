@@ -101,6 +101,8 @@ def parse_order(value: OrderLike, argument: str = "backends") -> Order:
 
 
 def _names(names: str | Sequence[str], argument: str, whole: Any) -> tuple[str, ...]:
+    if not isinstance(names, (str, Sequence)):  # a mapping's value: 3 or a set (no order)
+        raise ConfigError(argument, whole, "each recipe's backends as a string or a list of names, in order")
     items = names.split(",") if isinstance(names, str) else list(names)
     cleaned = tuple(n.strip() for n in items if isinstance(n, str) and n.strip())
     if len(cleaned) != len(items) or not cleaned:

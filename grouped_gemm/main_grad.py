@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.errors import DTypeError, InvalidArgumentError
 from grouped_gemm.recipes import Recipe
+from grouped_gemm.validation import _span
 
 _placeholders: dict[tuple, torch.Tensor] = {}
+_BUF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
@@ -41,6 +43,12 @@ def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
     return dummy.detach()
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors' byte ranges overlap (wgrad would write into the weight)."""
+    sa, sb = _span(a), _span(b)
+    return sa is not None and sb is not None and sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]
+
+
 def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each weight's ``main_grad`` buffer, checked (fused wgrad accumulation adds into them)."""
     found = []
@@ -53,6 +61,15 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             )
         if buf.shape != w.shape or buf.device != w.device:
             raise InvalidArgumentError(name, buf, f"shape {tuple(w.shape)} on {w.device}, like the weight")
+        # Checked here, at forward, so a bad buffer is named as itself and not as wgrad's
+        # ``out`` after the forward already ran.
+        if buf.layout != torch.strided or not buf.is_contiguous():
+            raise InvalidArgumentError(name, buf, "a dense contiguous tensor (wgrad adds into it in place)")
+        if buf.dtype not in _BUF_DTYPES:
+            raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
+        # (Dynamo cannot trace storage pointers: the overlap check is eager-only.)
+        if not torch.compiler.is_compiling() and _shares_memory(buf, w):
+            raise InvalidArgumentError(name, buf, "a buffer that shares no memory with the weight")
         found.append(buf)
     return found
 

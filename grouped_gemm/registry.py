@@ -93,7 +93,7 @@ class Registry:
 
     def get(self, name: str) -> Entry:
         """The entry for ``name``, or UnknownBackendError listing the known names."""
-        entry = self._entries.get(name)
+        entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
             raise UnknownBackendError("backend", name, f"registered backends are {', '.join(sorted(self._entries))}")
         return entry

@@ -210,6 +210,9 @@ def load(path: Path, header: Mapping[str, Any]) -> dict[str, Tuning]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError
+        _warn(f"ignoring corrupt autotune cache {path}: {exc}")
+        return {}
     except OSError as exc:
         _warn(f"cannot read autotune cache {path}: {exc}; measuring again")
         return {}
@@ -236,7 +239,7 @@ def _entries(path: Path, data: Any, header: Mapping[str, Any], warn: bool) -> di
                 _warn(f"ignoring stale autotune cache {path}: written for another schema, device or versions")
             return {}
         return {str(k): Tuning.from_json(str(k), v) for k, v in data["entries"].items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:  # Overflow: int(Infinity)
         if warn:
             _warn(f"ignoring corrupt autotune cache {path}: {type(exc).__name__}: {exc}")
         return {}
@@ -250,7 +253,7 @@ def save(path: Path, header: Mapping[str, Any], entries: Mapping[str, Tuning]) -
         with _locked(path):
             try:
                 current = _parse(path, path.read_text(encoding="utf-8"), header, warn=False)
-            except FileNotFoundError:
+            except (FileNotFoundError, UnicodeDecodeError):  # missing or not text: rewritten whole
                 current = {}
             merged = {**current, **entries}
             document = {

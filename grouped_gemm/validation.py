@@ -337,14 +337,23 @@ def check_grouped_matrices(value: Any, argument: str) -> tuple[Any, int, int, in
         return value, g, n, k, False
     if isinstance(value, (list, tuple)) and value:
         head = check_tensor(value[0], f"{argument}[0]", 2, "(N, K)")
+        checks = (
+            ("shape", ShapeError, "every group's weight has shape {}"),
+            ("dtype", DTypeError, "every group's weight has dtype {}"),
+            ("device", DeviceMismatchError, "every group's weight is on {}"),
+        )
         for i, item in enumerate(value[1:], 1):
             t = check_tensor(item, f"{argument}[{i}]", 2, "(N, K)")
-            if t.shape != head.shape:
-                raise ShapeError(f"{argument}[{i}]", t, f"every group's weight has shape {tuple(head.shape)}")
-            if t.dtype != head.dtype:
-                raise DTypeError(f"{argument}[{i}]", t, f"every group's weight has dtype {head.dtype}")
-            if t.device != head.device:
-                raise DeviceMismatchError(f"{argument}[{i}]", t, f"every group's weight is on {head.device}")
+            for attr, error, allowed in checks:
+                want = getattr(head, attr)
+                if getattr(t, attr) == want:
+                    continue
+                bad, at = t, i
+                later = value[2] if i == 1 and len(value) > 2 else None
+                if isinstance(later, torch.Tensor) and getattr(later, attr) == getattr(t, attr):
+                    bad, at, want = head, 0, getattr(t, attr)  # w[0] is the odd one out, not w[1]
+                shown = tuple(want) if attr == "shape" else want
+                raise error(f"{argument}[{at}]", bad, allowed.format(shown))
         n, k = head.shape
         return list(value), len(value), n, k, True
     raise InvalidTypeError(argument, value, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
+from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.group_offsets import GroupOffsets, host_split_ints
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
@@ -39,11 +39,16 @@ def quantize_mx_weight(
 ) -> MXTensor:
     """Quantize a ``(G, N, K)`` weight (or a list of G ``(N, K)`` tensors, stacked) for ``op``:
     along K (axis 2) for ``"fwd"``, along N (axis 1) for ``"dgrad"``."""
-    if op not in _WEIGHT_AXIS:
+    if not isinstance(op, str) or op not in _WEIGHT_AXIS:
         raise InvalidArgumentError("op", op, "'fwd' (blocks along K) or 'dgrad' (blocks along N)")
     if isinstance(w, (list, tuple)):
         if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w):
             raise InvalidTypeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
+        for i, t in enumerate(w[1:], 1):  # torch.stack would fail (or move nothing) unnamed
+            if t.shape != w[0].shape:
+                raise ShapeError(f"w[{i}]", t, f"shape {tuple(w[0].shape)}, like w[0]")
+            if t.device != w[0].device:
+                raise DeviceMismatchError(f"w[{i}]", t, f"a tensor on {w[0].device}, like w[0]")
         w = torch.stack(list(w))
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ShapeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")

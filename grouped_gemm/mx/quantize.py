@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
 from grouped_gemm.mx import torch_quantizer
-from grouped_gemm.mx.formats import BLOCK_SIZE, BLOCK_SIZES, FORMATS, INPUT_DTYPES, SCALE_RULES, MXFormat
-from grouped_gemm.mx.tensor import MXTensor
-
-
-def as_block_size(block_size: object) -> int:
-    """``block_size`` as a Python int: ints and numpy integers of an allowed size; bools,
-    floats (``32.0``) and anything else are rejected, naming the argument."""
-    if isinstance(block_size, (bool, float)):
-        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)")
-    try:
-        value = operator.index(block_size)
-    except TypeError:
-        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)") from None
-    if value not in BLOCK_SIZES:
-        raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
-    return value
+from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS, INPUT_DTYPES, SCALE_RULES, MXFormat
+from grouped_gemm.mx.tensor import MXTensor, as_block_size
 
 
 def scale_rule_name(scale_rule: object) -> str:

@@ -17,6 +17,7 @@ transpose. Data layout:
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
@@ -57,6 +58,44 @@ def decode_elements(data: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     return data.to(torch.float32)
 
 
+def as_block_size(block_size: object) -> int:
+    """``block_size`` as a Python int: ints and numpy integers of an allowed size; bools,
+    floats (``32.0``) and anything else are rejected, naming the argument."""
+    if isinstance(block_size, (bool, float)):
+        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)")
+    try:
+        value = operator.index(block_size)
+    except TypeError:
+        raise InvalidTypeError("block_size", block_size, f"an int, one of {BLOCK_SIZES} (OCP MX uses 32)") from None
+    if value not in BLOCK_SIZES:
+        raise InvalidArgumentError("block_size", block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
+    return value
+
+
+def _logical_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of Python ints >= 0: a float (``4.7``) would be truncated
+    silently and a non-sequence fail deep inside ``tuple()``, so both are refused here."""
+    allowed = "a tuple of non-negative ints (the logical, unquantized shape)"
+    if isinstance(shape, (str, bytes)):
+        raise InvalidTypeError("shape", shape, allowed)
+    try:
+        items = list(shape)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidTypeError("shape", shape, allowed) from None
+    out = []
+    for s in items:
+        if isinstance(s, (bool, float)):
+            raise InvalidTypeError("shape", shape, allowed)
+        try:
+            value = operator.index(s)
+        except TypeError:
+            raise InvalidTypeError("shape", shape, allowed) from None
+        if value < 0:
+            raise ShapeError("shape", shape, allowed)
+        out.append(value)
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MXTensor:
     """A tensor quantized to an MX format along one axis (see the module docstring).
@@ -81,9 +120,8 @@ class MXTensor:
         fmt = FORMATS.get(self.fmt) if isinstance(self.fmt, str) else None
         if fmt is None:
             raise InvalidArgumentError("fmt", self.fmt, f"one of {', '.join(FORMATS)}")
-        if self.block_size not in BLOCK_SIZES:
-            raise InvalidArgumentError("block_size", self.block_size, f"one of {BLOCK_SIZES} (OCP MX uses 32)")
-        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "block_size", as_block_size(self.block_size))
+        shape = _logical_shape(self.shape)
         object.__setattr__(self, "shape", shape)
         ndim = len(shape)
         if ndim == 0 or isinstance(self.axis, bool) or not isinstance(self.axis, int) or not -ndim <= self.axis < ndim:
