@@ -39,6 +39,7 @@ dtype and data pointer (~0.9 us for 5 tensors) and the keyword constexprs (~0.5 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import types
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from grouped_gemm.errors import ConfigError
@@ -239,7 +241,7 @@ class CachedLauncher:
         params = getattr(kernel, "params", None)
         # Interpreted kernels (no compiled launcher) or unknown internals: Triton's path only.
         self._params = params if hasattr(kernel, "device_caches") and params is not None else None
-        self._interpreted = type(kernel).__name__ == "InterpretedFunction"
+        self._interpreted = isinstance(kernel, InterpretedFunction)
         self._entries: dict[tuple, tuple] = {}
         self._plans: dict[tuple[type, ...], _Plan] = {}
         self._signatures: dict[tuple[type, ...], int] = {}  # numbers stay fixed: keys hold them
@@ -265,10 +267,7 @@ class CachedLauncher:
             return
         if not _ENABLED or self._params is None or _hooks_set():
             self.fallbacks += 1
-            if self._interpreted:
-                with _interpreter_lock:
-                    self.kernel[grid](*args, **kwargs)
-            else:
+            with _interpreter_lock if self._interpreted else contextlib.nullcontext():
                 self.kernel[grid](*args, **kwargs)
             return
         if self._device is None:
