@@ -682,13 +682,17 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
 @dataclasses.dataclass(frozen=True)
 class WgradConfig:
     """Tiles of the wgrad kernel: output rows (BN) and columns (BK), tokens per contraction
-    step (BT, a multiple of the 32-token MX blocks), warps, pipeline stages."""
+    step (BT, a multiple of the 32-token MX blocks), warps, pipeline stages, and persistent
+    programs per SM (``per_sm``: a second program can stream its ``main_grad`` tile while
+    the first contracts, which matters when groups have few tokens and the fp32 epilogue
+    is most of the traffic; a stored tuning without it means one)."""
 
     bn: int
     bk: int
     bt: int
     warps: int
     stages: int
+    per_sm: int = 1
 
     def smem_bytes(self) -> int:
         """Shared memory of the pipelined loads: the dy and x token slabs, as bf16 decodes
@@ -732,7 +736,7 @@ def launch_wgrad(
     n_out, k_out = out.shape[1], out.shape[2]
     cfg = config or _wgrad_config()
     tiles = groups * cdiv(n_out, cfg.bn) * cdiv(k_out, cfg.bk)
-    programs = max(1, min(tiles, _units(out.device)))
+    programs = max(1, min(tiles, _units(out.device) * cfg.per_sm))
     _WGRAD(
         (programs,),
         dyd,
@@ -870,7 +874,15 @@ def wgrad_configs() -> list[WgradConfig]:
     (one MX block, 16 bytes of packed E2M1 per row) is left out, untried on dot_scaled."""
     d = _WGRAD_DEFAULT
     return _neighbours(
-        d, {"bn": (64, 128, 256), "bk": (64, 128, 256), "bt": (64, 128), "stages": (3, 4), "warps": (4, 8)}
+        d,
+        {
+            "bn": (64, 128, 256),
+            "bk": (64, 128, 256),
+            "bt": (64, 128),
+            "stages": (3, 4),
+            "warps": (4, 8),
+            "per_sm": (1, 2),
+        },
     )
 
 
