@@ -48,7 +48,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from grouped_gemm.backends.triton_mx import layouts, weight_prep_kernel
-from grouped_gemm.backends.triton_mx.launch import UpcastConfig, _upcast_plan, upcast_config
+from grouped_gemm.backends.triton_mx.launch import (
+    REGISTER_FILE,
+    UpcastConfig,
+    WgradConfig,
+    _upcast_plan,
+    upcast_config,
+    wgrad_configs,
+)
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
@@ -431,19 +438,33 @@ def _scaled(arch: str, a_fmt: str, w_fmt: str) -> dict:
     return _scaled_row(c, target, f"dot_scaled fwd {a_fmt} x {w_fmt}", arch)
 
 
-def _wgrad(arch: str, dy_fmt: str, x_fmt: str) -> dict:
+#: Shared memory of one sm_90 SM, shared by its resident blocks (228 KB; one block may take
+#: 227 KB of it: the CUDA C++ Programming Guide, compute capability 9.0).
+SMEM_PER_SM = 228 * 1024
+
+
+def _wgrad(arch: str, dy_fmt: str, x_fmt: str, config: WgradConfig | None = None) -> dict:
+    """The wgrad kernel at ``config`` (the default's tiles where None). A config of more
+    than one program a SM must fit that many in the register file and shared memory, or
+    the second only queues (what its candidacy in ``wgrad_configs`` relies on)."""
     target = TARGETS[arch]
+    cfg = config or WgradConfig(bn=128, bk=128, bt=64, warps=8, stages=3)
     operand = "*bf16" if dy_fmt == "bf16" else "*u8"
     c = _compile(
         wgrad_grouped_kernel,
         {"DY": operand, "DYS": operand, "X": operand, "XS": operand, "Out": "*fp32", "PEnds": "*i32"},
-        dict(BN=128, BK=128, BT=64, DY_FMT=dy_fmt, X_FMT=x_fmt, ACCUMULATE=True, NUM_PROGS=148, INTERP=False),
+        dict(BN=cfg.bn, BK=cfg.bk, BT=cfg.bt, DY_FMT=dy_fmt, X_FMT=x_fmt, ACCUMULATE=True, NUM_PROGS=148, INTERP=False),
         target,
-        warps=8,
-        stages=3,
+        warps=cfg.warps,
+        stages=cfg.stages,
     )
-    name = f"wgrad {dy_fmt} x {x_fmt}"
-    return _sm90_row(c, name) if arch == "sm_90" else _scaled_row(c, target, name, arch)
+    name = f"wgrad {dy_fmt} x {x_fmt}" + (f" {cfg.bn}x{cfg.bk}, {cfg.per_sm} a SM" if config else "")
+    if arch != "sm_90":
+        return _scaled_row(c, target, name, arch)
+    row = _sm90_row(c, name)
+    threads = cfg.per_sm * cfg.warps * 32
+    row["ok"] = row["ok"] and row["regs"] * threads <= REGISTER_FILE and cfg.per_sm * c.metadata.shared <= SMEM_PER_SM
+    return row
 
 
 def _scaled_row(c, target: GPUTarget, name: str, arch: str) -> dict:
@@ -481,6 +502,7 @@ def main() -> None:
         _upcast("e4m3", True, 16, 4, ptx=False),
         *(_upcast_tma(fmt, rows) for fmt, rows in _tma_defaults()),
         _wgrad("sm_90", "bf16", "bf16"),
+        *(_wgrad("sm_90", "bf16", "bf16", c) for c in wgrad_configs() if c.per_sm > 1 and c.bn * c.bk < 128 * 128),
         *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),
     ]
     for arch in ("sm_100", "gfx950"):
