@@ -23,6 +23,7 @@ fails raises, the others wait for that timeout and then raise.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,8 +83,31 @@ def all_to_all(
     the ``recv_splits[r]`` rows from each rank r, in rank order; differentiable.
 
     Every rank must call it, and (under autograd) run its backward, the same number of times.
+    Each rank's splits are checked before the exchange: a negative size makes the collective
+    read and write out of bounds. (That rank r's ``send_splits`` equals what rank r's peers
+    expect in ``recv_splits`` cannot be checked without another collective.)
     """
-    return _AllToAll.apply(rows, list(send_splits), list(recv_splits), group)
+    if not isinstance(rows, torch.Tensor):
+        raise InvalidTypeError("rows", rows, "a torch.Tensor of rows to send")
+    if rows.dim() == 0:
+        raise ShapeError("rows", rows, "a tensor of at least one dimension (rows to send)")
+    world = dist.get_world_size(group)
+    send = _rank_splits("send_splits", send_splits, world)
+    recv = _rank_splits("recv_splits", recv_splits, world)
+    if sum(send) != rows.shape[0]:
+        raise InvalidArgumentError("send_splits", send, f"sizes summing to rows.shape[0]={rows.shape[0]}")
+    return _AllToAll.apply(rows, send, recv, group)
+
+
+def _rank_splits(name: str, splits: Any, world: int) -> list[int]:
+    """``splits`` as ``world`` non-negative ints (ints, numpy ints or 0-d integer tensors)."""
+    try:
+        values = [operator.index(v) if not isinstance(v, bool) else None for v in splits]
+    except TypeError:
+        values = [None]
+    if len(values) != world or any(v is None or v < 0 for v in values):
+        raise InvalidArgumentError(name, splits, f"{world} non-negative ints, one per rank of the group")
+    return values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,12 @@ Each failed before its fix; CPU only, small shapes.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +62,88 @@ def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     layer(x.float(), SPLITS).backward(dy.float())
     want = torch.cat([d.T @ a for d, a in zip(dy.split(SPLITS), x.split(SPLITS), strict=True)]).flatten()
     assert torch.allclose(flat.double() - start.double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- all_to_all: each rank's splits are checked before the exchange ---------------------------
+
+BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
+    # (send_splits, recv_splits, argument named) for 5 rows on each of 2 ranks
+    "negative_send": ([6, -1], [5, 5], "send_splits"),
+    "negative_recv": ([2, 3], [6, -1], "recv_splits"),
+    "float_sizes": ([2.5, 2.5], [5, 5], "send_splits"),
+    "bool_sizes": ([True, 4], [5, 5], "send_splits"),
+    "one_size_for_two_ranks": ([5], [5, 5], "send_splits"),
+    "sizes_not_summing_to_rows": ([2, 2], [4, 4], "send_splits"),
+}
+
+
+def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
+    """One of 2 gloo ranks: every bad exchange is refused on the rank (before the collective,
+    so no peer waits), then a good one still moves the right rows and gradients."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from grouped_gemm.parallel import all_to_all
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
+    results: dict[str, object] = {}
+    try:
+        rows = torch.randn(5, 3)
+        for name, (send, recv, _) in BAD_EXCHANGES.items():
+            try:
+                all_to_all(rows, send, recv, dist.group.WORLD)
+                results[name] = "returned"
+            except gg.InvalidArgumentError as e:
+                results[name] = e.argument
+        # Rank r sends its rows [0, 1 + r) to rank 0 and the rest to rank 1.
+        rows = (10 * rank + torch.arange(5, dtype=torch.float64)).requires_grad_()
+        send = [1 + rank, 4 - rank]
+        recv = [1, 2] if rank == 0 else [4, 3]
+        got = all_to_all(rows[:, None], send, recv, dist.group.WORLD)
+        (got[:, 0] * (100 + torch.arange(got.shape[0]))).sum().backward()
+        results["received"] = got[:, 0].tolist()
+        results["grad"] = rows.grad.tolist()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def test_all_to_all_checks_each_ranks_splits(tmp_path):
+    """A negative split passed to gloo failed its bounds check and corrupted the heap
+    (``malloc(): unaligned tcache chunk``, the process aborted); float, wrong-length or
+    mis-summed splits failed deep in torch.distributed. Now each is named on its rank."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--exchange-worker"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(r), str(tmp_path / "store"), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
+    assert results[0]["received"] == [0.0, 10.0, 11.0]
+    assert results[1]["received"] == [1.0, 2.0, 3.0, 4.0, 12.0, 13.0, 14.0]
+    # d(sum_i got[i] * (100 + i)) / d(rows): each row's gradient is its weight where it arrived.
+    assert results[0]["grad"] == [100.0, 100.0, 101.0, 102.0, 103.0]
+    assert results[1]["grad"] == [101.0, 102.0, 104.0, 105.0, 106.0]
+
+
+if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
+    _exchange_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
