@@ -189,7 +189,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.top_k = _positive("top_k", top_k)
         if top_k > num_experts:
             raise InvalidArgumentError("top_k", top_k, f"at most num_experts={num_experts}")
-        if activation not in ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise InvalidArgumentError("activation", activation, f"one of {sorted(ACTIVATIONS)}")
         if not isinstance(normalize_weights, bool):
             raise InvalidTypeError("normalize_weights", normalize_weights, "True or False")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm.parallel import ExpertParallelMoE
 
 G, K, N = 3, 8, 4
 SPLITS = [2, 0, 5]
@@ -143,6 +144,13 @@ def test_all_to_all_checks_each_ranks_splits(tmp_path):
     # d(sum_i got[i] * (100 + i)) / d(rows): each row's gradient is its weight where it arrived.
     assert results[0]["grad"] == [100.0, 100.0, 101.0, 102.0, 103.0]
     assert results[1]["grad"] == [101.0, 102.0, 104.0, 105.0, 106.0]
+
+
+@pytest.mark.parametrize("activation", [["relu"], {"swiglu": 1}, None, 3])
+def test_an_unhashable_or_non_string_activation_is_named(activation):
+    """``activation=["relu"]`` escaped as ``TypeError: unhashable type: 'list'``."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^activation=.*one of"):
+        ExpertParallelMoE(4, 8, 6, 2, recipe="fp32", activation=activation)
 
 
 if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
