@@ -163,7 +163,8 @@ class ExpertParallelMoE(torch.nn.Module):
 
     ``activation``: ``"swiglu"`` / ``"geglu"`` (gate-up has ``2 * ffn`` outputs, the
     first half is the gate) or ``"gelu"`` / ``"relu"``. ``recipe``, ``dtype``, ``device``
-    and ``bias`` go to both ``GroupedLinear`` layers; the router uses their parameter dtype.
+    and ``bias`` go to both ``GroupedLinear`` layers (without a recipe they compute in
+    ``dtype``, bf16 when neither is given); the router uses their parameter dtype.
     ``normalize_weights``: rescale each token's top-k router weights to sum to 1.
     """
 
@@ -175,7 +176,7 @@ class ExpertParallelMoE(torch.nn.Module):
         top_k: int,
         *,
         process_group: dist.ProcessGroup | None = None,
-        recipe: str | Recipe = "bf16",
+        recipe: str | Recipe | None = None,
         activation: str = "swiglu",
         bias: bool = False,
         normalize_weights: bool = True,

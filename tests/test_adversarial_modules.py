@@ -153,5 +153,17 @@ def test_an_unhashable_or_non_string_activation_is_named(activation):
         ExpertParallelMoE(4, 8, 6, 2, recipe="fp32", activation=activation)
 
 
+@pytest.mark.parametrize(("dtype", "recipe"), [(None, "bf16"), (torch.float32, "fp32"), (torch.float16, "fp16")])
+def test_expert_parallel_dtype_alone_picks_the_plain_recipe(dtype, recipe, gen):
+    """The layer's default recipe was "bf16", so ``dtype=torch.float32`` alone was refused
+    (``recipe bf16 computes in torch.bfloat16``) although ``GroupedLinear`` takes it."""
+    layer = ExpertParallelMoE(4, 8, 6, 2, dtype=dtype)
+    want = dtype or torch.bfloat16
+    assert layer.gate_up.recipe.name == layer.down.recipe.name == recipe
+    assert {p.dtype for p in layer.parameters()} == {want}
+    x = torch.randn(5, 8, generator=gen).to(want)
+    assert layer(x).dtype == want
+
+
 if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
     _exchange_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
