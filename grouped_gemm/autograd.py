@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from grouped_gemm.custom_ops import fwd_op
-from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
 from grouped_gemm.linear import ApiGemms, Splits, Weights, forward_gemm, linear_backward, split_args, weight_operand
 from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
 from grouped_gemm.mx import MXTensor
@@ -164,7 +164,14 @@ def run_grouped_linear(
     """``grouped_linear``, plus ``GroupedLinear``'s frozen MX weights (eager only; the
     compiled op always quantizes the parameters it is given)."""
     key = op_recipe(recipe, x)
-    weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if isinstance(weight, torch.Tensor):
+        weights = [weight]
+    elif isinstance(weight, (list, tuple)):
+        weights = list(weight)
+    else:
+        raise InvalidTypeError("weight", weight, "a (G, N, K) tensor or a list of G (N, K) tensors")
+    if not isinstance(fuse_wgrad_accumulation, bool):
+        raise InvalidTypeError("fuse_wgrad_accumulation", fuse_wgrad_accumulation, "True or False")
     m_splits = snapshot_splits(m_splits)
     if bias is not None and weights and isinstance(weights[0], torch.Tensor) and isinstance(x, torch.Tensor):
         w0 = weights[0]

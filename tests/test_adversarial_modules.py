@@ -65,6 +65,28 @@ def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     assert torch.allclose(flat.double() - start.double(), want, atol=1e-5, rtol=1e-5)
 
 
+# ---- grouped_linear's weight and flag ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight", [None, 5, "w", {"w": 1}])
+def test_grouped_linear_names_a_weight_that_is_not_a_tensor_or_list(weight, gen):
+    """``list(weight)`` ran first: None or an int escaped as ``TypeError: ... is not
+    iterable``, a str or dict as ``AttributeError: 'str' object has no attribute 'dim'``."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    with pytest.raises(gg.InvalidTypeError, match=r"^weight=.*\(G, N, K\) tensor or a list"):
+        gg.grouped_linear(x, weight, SPLITS, recipe="fp32")
+
+
+@pytest.mark.parametrize("flag", [1, "no", None])
+def test_grouped_linear_names_a_non_bool_fuse_flag(flag, gen):
+    """Any truthy value turned fused accumulation on (``"no"`` included), any falsy one off,
+    where ``GroupedLinear`` refuses them: now the functional form refuses them too."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen, requires_grad=True)
+    with pytest.raises(gg.InvalidTypeError, match=r"^fuse_wgrad_accumulation=.*True or False"):
+        gg.grouped_linear(x, w, SPLITS, recipe="fp32", fuse_wgrad_accumulation=flag)
+
+
 # ---- all_to_all: each rank's splits are checked before the exchange ---------------------------
 
 BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
