@@ -65,6 +65,40 @@ def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     assert torch.allclose(flat.double() - start.double(), want, atol=1e-5, rtol=1e-5)
 
 
+# ---- separate_weights: a replaced bias{i} ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bias1", "error"),
+    [
+        (None, gg.InvalidTypeError),
+        (torch.nn.Parameter(torch.zeros(N + 1)), gg.ShapeError),
+        (torch.nn.Parameter(torch.zeros(1, N)), gg.ShapeError),
+        (torch.nn.Parameter(torch.zeros(N, device="meta")), gg.DeviceMismatchError),
+    ],
+)
+def test_a_replaced_separate_bias_is_named(bias1, error, gen):
+    """``torch.stack(self.biases)`` ran unchecked: ``RuntimeError: stack expects each
+    tensor to be equal size`` or ``TypeError: expected Tensor as element 1``, naming no
+    parameter. Weights replaced the same way were already named (``w[1]``)."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True)
+    layer.bias1 = bias1
+    with pytest.raises(error, match=r"^bias1="):
+        layer(torch.randn(sum(SPLITS), K, generator=gen), SPLITS)
+
+
+def test_separate_biases_still_add_per_expert(gen):
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    want = torch.cat(
+        [
+            a.double() @ w.double().T + b.double()
+            for a, w, b in zip(x.split(SPLITS), layer.weights, layer.biases, strict=True)
+        ]
+    )
+    assert torch.allclose(layer(x, SPLITS).double(), want, atol=1e-5, rtol=1e-5)
+
+
 # ---- grouped_linear's weight and flag ---------------------------------------------------------
 
 
