@@ -15,7 +15,7 @@ import torch
 
 from grouped_gemm import api
 from grouped_gemm.linear import bias_grad, forward_gemm, linear_backward, splits_from_args, weight_grads, weight_operand
-from grouped_gemm.main_grad import accumulate_wgrad
+from grouped_gemm.main_grad import accumulate_wgrad, check_no_aliasing
 from grouped_gemm.recipe_codec import recipe_from_key
 
 _SPLITS = "SymInt[]? splits, Tensor? splits_tensor, str recipe"
@@ -30,6 +30,8 @@ def _fwd_impl(
     recipe: str,
     main_grad: list[torch.Tensor] | None,
 ) -> torch.Tensor:
+    if main_grad is not None:
+        check_no_aliasing(w, main_grad)  # here at run time: a compiled graph cannot read pointers
     return forward_gemm(x, weight_operand(w), bias, splits_from_args(splits, splits_tensor), recipe_from_key(recipe))
 
 

@@ -43,7 +43,7 @@ def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
     return dummy.detach()
 
 
-def _check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> None:
+def check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> None:
     """InvalidArgumentError naming the ``main_grad`` that overlaps a weight (wgrad would add
     into the weight) or another ``main_grad`` (two experts' gradients would add into one).
 
@@ -51,9 +51,12 @@ def _check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Ten
     furthest end so far overlaps the range reaching it, and the first overlap involving a
     buffer is always found this way (weights may overlap each other)."""
     names = ["weight"] if len(weights) == 1 else [f"weight{i}" for i in range(len(weights))]
-    ranges = []  # (span, name, tensor, is a buffer)
-    for name, w, buf in zip(names, weights, bufs, strict=True):
-        ranges += [(_span(w), name, w, False), (_span(buf), f"{name}.main_grad", buf, True)]
+    buf_names = [f"{name}.main_grad" for name in names]
+    if len(bufs) != len(weights):  # the fwd op also takes G buffers for one stacked weight
+        buf_names = [f"main_grad[{i}]" for i in range(len(bufs))]
+    # (span, name, tensor, is a buffer)
+    ranges = [(_span(w), name, w, False) for name, w in zip(names, weights, strict=True)]
+    ranges += [(_span(buf), name, buf, True) for name, buf in zip(buf_names, bufs, strict=True)]
     ranges = sorted((r for r in ranges if r[0] is not None), key=lambda r: r[0][:2])
     furthest = None
     for current in ranges:
@@ -91,9 +94,9 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
         found.append(buf)
-    # (Dynamo cannot trace storage pointers: the overlap check is eager-only.)
+    # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
     if not torch.compiler.is_compiling():
-        _check_no_aliasing(weights, found)
+        check_no_aliasing(weights, found)
     return found
 
 

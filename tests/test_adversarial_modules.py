@@ -51,6 +51,25 @@ def test_a_main_grad_aliasing_another_expert_is_named_at_forward(bad, gen):
     assert all(torch.equal(w, b) for w, b in zip(layer.weights, before, strict=True))
 
 
+def test_a_main_grad_aliasing_another_expert_is_named_under_compile(gen):
+    """Under torch.compile the overlap check (eager-only: Dynamo cannot read pointers) was
+    skipped, and the compiled backward added wgrad into another expert's weight silently.
+    The fwd op now checks at run time."""
+    torch._dynamo.reset()
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True)
+    before = [w.detach().clone() for w in layer.weights]
+    for w, buf in zip(layer.weights, ALIASING_MAIN_GRADS["another_experts_weight"](layer), strict=True):
+        w.main_grad = buf
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
+    try:
+        with pytest.raises(gg.InvalidArgumentError, match=r"^weight1\.main_grad=.*overlaps weight0"):
+            compiled(x, torch.tensor(SPLITS)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(w, b) for w, b in zip(layer.weights, before, strict=True))
+
+
 def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     """Megatron's layout: every main_grad a view into one flat grad buffer, back to back."""
     layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True, bias=False)
