@@ -200,6 +200,21 @@ class GroupedLinear(torch.nn.Module):
             }
         self._frozen = FrozenWeights(quantized, _stamp(weights))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, torch.save) has new weights, which a frozen copy's stamp cannot
+        # match: mark a stale one so that it stays refused, and __setstate__ re-stamps the rest.
+        state = super().__getstate__()
+        frozen = self._frozen
+        if frozen is not None and _stamp(self.weights) != frozen.stamp:
+            state["_frozen"] = dataclasses.replace(frozen, stamp=())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        frozen = state.get("_frozen")
+        if frozen is not None and frozen.stamp:
+            self._frozen = dataclasses.replace(frozen, stamp=_stamp(self.weights))
+
     def unfreeze_quantized_weights(self) -> None:
         """Drop the frozen copy: forwards quantize the current weights per call again."""
         self._frozen = None

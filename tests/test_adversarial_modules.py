@@ -5,6 +5,8 @@ Each failed before its fix; CPU only, small shapes.
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -116,6 +118,44 @@ def test_separate_biases_still_add_per_expert(gen):
         ]
     )
     assert torch.allclose(layer(x, SPLITS).double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- copies of a layer with frozen MX weights ---------------------------------------------------
+
+
+def _copy(layer: gg.GroupedLinear, how: str) -> gg.GroupedLinear:
+    if how == "deepcopy":
+        return copy.deepcopy(layer)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_copy_of_a_frozen_layer_runs_and_stays_checked(how, separate, gen):
+    """The frozen copy's stamp holds the weights' identities and pointers, which a copy's
+    weights never match: a deepcopy or a torch.save/torch.load of a frozen layer, weights
+    untouched, refused every forward with ``weight='changed since freeze_quantized_weights()'``.
+    Now a copy re-stamps a valid frozen copy; a stale one stays refused, and later changes to
+    the copy's weights are still caught."""
+    torch.manual_seed(5)
+    layer = gg.GroupedLinear(2, 64, 32, recipe="mxfp8", separate_weights=separate).requires_grad_(False)
+    x = torch.randn(10, 64, generator=gen).bfloat16()
+    with gg.use_backends("reference", strict=True):
+        layer.freeze_quantized_weights()
+        want = layer(x, [4, 6])
+        twin = _copy(layer, how)
+        assert twin.frozen and torch.equal(twin(x, [4, 6]), want)
+        with torch.no_grad():
+            twin.weights[0].mul_(2)
+        with pytest.raises(gg.InvalidArgumentError, match="changed since freeze_quantized_weights"):
+            twin(x, [4, 6])
+        with torch.no_grad():
+            layer.weights[-1].mul_(2)  # the original goes stale: so must its copies
+        with pytest.raises(gg.InvalidArgumentError, match="changed since freeze_quantized_weights"):
+            _copy(layer, how)(x, [4, 6])
 
 
 # ---- grouped_linear's weight and flag ---------------------------------------------------------
