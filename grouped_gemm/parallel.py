@@ -296,6 +296,8 @@ class ExpertParallelMoE(torch.nn.Module):
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a whole layer's state (e.g. a single-process layer's ``state_dict()``):
         the router as is, this rank's slice of every expert tensor. No collective."""
+        if not isinstance(state, Mapping):
+            raise InvalidTypeError("state", state, "a mapping of names to tensors (a whole layer's state_dict())")
         expected = set(self.state_dict())
         if set(state) != expected:
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -305,6 +307,8 @@ class ExpertParallelMoE(torch.nn.Module):
         local = dict(state)
         for key in self._expert_keys():
             full = state[key]
+            if not isinstance(full, torch.Tensor):
+                raise InvalidTypeError(f"state[{key!r}]", full, "a tensor (every expert's, stacked)")
             if full.dim() < 1 or full.shape[0] != self.num_experts:
                 raise ShapeError(f"state[{key!r}]", full, f"a leading dimension of num_experts={self.num_experts}")
             local[key] = full[self.expert_range.start : self.expert_range.stop]

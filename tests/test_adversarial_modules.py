@@ -280,5 +280,23 @@ def test_expert_parallel_dtype_alone_picks_the_plain_recipe(dtype, recipe, gen):
     assert layer(x).dtype == want
 
 
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        (lambda state: None, "state"),
+        (lambda state: list(state.items()), "state"),
+        (lambda state: {**state, "down.weight": state["down.weight"].tolist()}, r"state\['down.weight'\]"),
+    ],
+)
+def test_load_full_state_dict_names_what_is_not_a_state(change, name):
+    """None escaped as ``TypeError: 'NoneType' object is not iterable``, an expert value
+    that is not a tensor as ``AttributeError: 'list' object has no attribute 'dim'``."""
+    layer = ExpertParallelMoE(4, 8, 6, 2, recipe="fp32")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(gg.InvalidTypeError, match=rf"^{name}="):
+        layer.load_full_state_dict(change(ExpertParallelMoE(4, 8, 6, 2, recipe="fp32").state_dict()))
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
 if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
     _exchange_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
