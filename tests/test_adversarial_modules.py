@@ -180,6 +180,39 @@ def test_grouped_linear_names_a_non_bool_fuse_flag(flag, gen):
         gg.grouped_linear(x, w, SPLITS, recipe="fp32", fuse_wgrad_accumulation=flag)
 
 
+# ---- torch.ops.grouped_gemm.bias_grad checks its splits --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("splits", "splits_tensor", "error"),
+    [
+        ([2, 0, 9], None, gg.SplitsError),  # sums past dy's 7 rows
+        (None, torch.tensor([2, 0, 9]), gg.SplitsError),
+        ([9, -2, 0], None, gg.SplitsError),
+        (None, torch.tensor([2.0, 0.0, 5.0]), gg.SplitsError),
+        (None, None, gg.InvalidTypeError),
+    ],
+)
+def test_bias_grad_op_checks_its_splits(splits, splits_tensor, error, gen):
+    """segment_reduce(unsafe=True) trusted the lengths: splits summing past dy's rows read
+    the memory after dy (here 1e30s that came out in the sum), a negative size failed in
+    torch ('Expected segment_length >= 0'), float or missing splits slipped through or
+    failed as a bare TypeError."""
+    memory = torch.randn(20, N, generator=gen)
+    memory[7:] = 1e30
+    dy = memory[:7]
+    with pytest.raises(error, match=r"^m_splits="):
+        torch.ops.grouped_gemm.bias_grad(dy, splits, splits_tensor)
+
+
+def test_bias_grad_op_sums_each_group(gen):
+    dy = torch.randn(7, N, generator=gen)
+    for splits, splits_tensor in (([2, 0, 5], None), (None, torch.tensor([2, 0, 5]))):
+        got = torch.ops.grouped_gemm.bias_grad(dy, splits, splits_tensor)
+        want = torch.stack([part.double().sum(0) for part in dy.split([2, 0, 5])])
+        assert torch.allclose(got.double(), want, atol=1e-6, rtol=1e-6)
+
+
 # ---- all_to_all: each rank's splits are checked before the exchange ---------------------------
 
 BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
