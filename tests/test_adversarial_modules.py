@@ -213,6 +213,27 @@ def test_bias_grad_op_sums_each_group(gen):
         assert torch.allclose(got.double(), want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("bias", "error"),
+    [
+        (torch.ones(G, 1), gg.ShapeError),  # broadcast over N: every output moved by 1, silently
+        (torch.ones(1, N), gg.ShapeError),
+        (torch.ones(G * N), gg.ShapeError),
+        (torch.ones(G, N, dtype=torch.int64), gg.DTypeError),
+    ],
+)
+@pytest.mark.parametrize("tensor_splits", [False, True])
+def test_fwd_op_checks_its_bias(bias, error, tensor_splits, gen):
+    """``torch.ops.grouped_gemm.fwd`` (what grouped_linear runs under torch.compile, and the
+    documented entry for double backward) added any bias that repeat_interleave and add_
+    accepted: a ``(G, 1)`` bias broadcast over N; others failed inside torch."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen)
+    splits, splits_tensor = (None, torch.tensor(SPLITS)) if tensor_splits else (SPLITS, None)
+    with pytest.raises(error, match=r"^bias="):
+        torch.ops.grouped_gemm.fwd(x, [w], bias, splits, splits_tensor, "fp32", None)
+
+
 # ---- all_to_all: each rank's splits are checked before the exchange ---------------------------
 
 BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
