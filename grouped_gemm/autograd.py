@@ -178,12 +178,19 @@ def run_grouped_linear(
         check_bias(bias, w0.shape[0] if w0.dim() == 3 else len(weights), w0.shape[-2], x)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
+    # Only a forward that will produce weight gradients needs the main_grad buffers (an
+    # inference or frozen-weight call of a fused layer runs without them, compiled or not).
+    needs_main_grad = (
+        fuse_wgrad_accumulation
+        and torch.is_grad_enabled()
+        and any(isinstance(w, torch.Tensor) and w.requires_grad for w in weights)
+    )
     if torch.compiler.is_compiling():
         splits, splits_tensor = split_args(m_splits)
-        bufs = main_grads(weights) if fuse_wgrad_accumulation else None
+        bufs = main_grads(weights) if needs_main_grad else None
         y = fwd_op(x, weights, bias, splits, splits_tensor, key, bufs)
         return out.copy_(y) if out is not None else y
-    if fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+    if needs_main_grad:
         main_grads(weights)
     plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, frozen or {})
     return GroupedLinearFunction.apply(x, bias, out, plan, *weights)

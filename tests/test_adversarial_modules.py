@@ -5,6 +5,7 @@ Each failed before its fix; CPU only, small shapes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -84,6 +85,34 @@ def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     layer(x.float(), SPLITS).backward(dy.float())
     want = torch.cat([d.T @ a for d, a in zip(dy.split(SPLITS), x.split(SPLITS), strict=True)]).flatten()
     assert torch.allclose(flat.double() - start.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen_weights"])
+def test_a_compiled_fused_layer_needs_no_main_grad_without_weight_gradients(mode, gen):
+    """Eager, a fused layer asks for main_grad only when the call will produce weight
+    gradients; compiled, it asked always: inference (or training only the input) of a
+    compiled fused layer failed for the missing main_grad (under fullgraph as Dynamo's
+    'Attempted to call a super() attribute')."""
+    torch._dynamo.reset()
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", fuse_wgrad_accumulation=True)
+    if mode == "frozen_weights":
+        layer.requires_grad_(False)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(sum(SPLITS), K, generator=gen, dtype=torch.float64)
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    want = torch.cat([a @ w[g].T + b[g] for g, a in enumerate(x.split(SPLITS))])
+    xin = x.float().requires_grad_(mode == "frozen_weights")
+    try:
+        with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)():
+            y = compiled(xin, torch.tensor(SPLITS))
+        assert torch.allclose(y.double(), want, atol=1e-5, rtol=1e-5)
+        if mode == "frozen_weights":
+            dy = torch.randn(sum(SPLITS), N, generator=gen, dtype=torch.float64)
+            y.backward(dy.float())
+            want_dx = torch.cat([d @ w[g] for g, d in enumerate(dy.split(SPLITS))])
+            assert torch.allclose(xin.grad.double(), want_dx, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
 
 
 # ---- separate_weights: a replaced bias{i} ------------------------------------------------------
