@@ -93,6 +93,8 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             raise InvalidArgumentError(name, buf, "a dense contiguous tensor (wgrad adds into it in place)")
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
+        if found and buf.dtype != found[0].dtype:  # one wgrad call writes every buffer
+            raise DTypeError(name, buf, f"dtype {found[0].dtype}, like weight0.main_grad (one dtype for all)")
         found.append(buf)
     # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
     if not torch.compiler.is_compiling():

@@ -73,6 +73,17 @@ def test_a_main_grad_aliasing_another_expert_is_named_under_compile(gen):
     assert all(torch.equal(w, b) for w, b in zip(layer.weights, before, strict=True))
 
 
+def test_main_grads_of_mixed_dtypes_are_named_at_forward(gen):
+    """Each buffer's dtype was checked alone: fp32 and bf16 buffers passed the forward and
+    backward failed as ``out[1]=... every group's weight has dtype torch.float32``."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True)
+    for g, w in enumerate(layer.weights):
+        w.main_grad = torch.zeros(N, K, dtype=torch.bfloat16 if g == 1 else torch.float32)
+    x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
+    with pytest.raises(gg.DTypeError, match=r"^weight1\.main_grad=.*like weight0\.main_grad"):
+        layer(x, SPLITS)
+
+
 def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
     """Megatron's layout: every main_grad a view into one flat grad buffer, back to back."""
     layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True, bias=False)
