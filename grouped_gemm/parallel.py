@@ -77,7 +77,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(
-    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Send ``send_splits[r]`` consecutive rows of ``rows`` to rank r of ``group`` and return
     the ``recv_splits[r]`` rows from each rank r, in rank order; differentiable.
@@ -91,6 +91,8 @@ def all_to_all(
         raise InvalidTypeError("rows", rows, "a torch.Tensor of rows to send")
     if rows.dim() == 0:
         raise ShapeError("rows", rows, "a tensor of at least one dimension (rows to send)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise InvalidTypeError("group", group, "a torch.distributed ProcessGroup (None: the default group)")
     world = dist.get_world_size(group)
     send = _rank_splits("send_splits", send_splits, world)
     recv = _rank_splits("recv_splits", recv_splits, world)

@@ -302,6 +302,12 @@ def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
     results: dict[str, object] = {}
     try:
         rows = torch.randn(5, 3)
+        for group in ("world", 3):
+            try:
+                all_to_all(rows, [2, 3], [2, 3], group)
+                results[f"group={group!r}"] = "returned"
+            except gg.InvalidTypeError as e:
+                results[f"group={group!r}"] = e.argument
         for name, (send, recv, _) in BAD_EXCHANGES.items():
             try:
                 all_to_all(rows, send, recv, dist.group.WORLD)
@@ -324,7 +330,8 @@ def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
 def test_all_to_all_checks_each_ranks_splits(tmp_path):
     """A negative split passed to gloo failed its bounds check and corrupted the heap
     (``malloc(): unaligned tcache chunk``, the process aborted); float, wrong-length or
-    mis-summed splits failed deep in torch.distributed. Now each is named on its rank."""
+    mis-summed splits failed deep in torch.distributed, a group that is not a ProcessGroup
+    as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--exchange-worker"]
     procs = [
@@ -347,6 +354,7 @@ def test_all_to_all_checks_each_ranks_splits(tmp_path):
         assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
+        assert res["group='world'"] == res["group=3"] == "group"
         assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
     assert results[0]["received"] == [0.0, 10.0, 11.0]
     assert results[1]["received"] == [1.0, 2.0, 3.0, 4.0, 12.0, 13.0, 14.0]
