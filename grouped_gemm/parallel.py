@@ -8,6 +8,8 @@ routes its own tokens. A forward pass:
    ``[r * L, (r + 1) * L)``, ``L = num_experts / world_size``);
 2. exchanges the per-expert row counts (``all_to_all`` of ``world_size * L`` integers;
    one host sync, since ``all_to_all_single`` takes its split sizes as Python ints);
+   the first forward also gathers every rank's ``num_experts``, ``hidden`` and dtype
+   and raises on every rank if they differ;
 3. dispatches the rows (``all_to_all``), re-sorts what arrived by local expert, runs
    gate-up -> activation -> down with the received counts as ``m_splits``;
 4. combines (the reverse ``all_to_all``) and sums each token's ``top_k`` expert outputs
@@ -214,6 +216,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.down = GroupedLinear(self.local_experts, ffn, hidden, **linear)
         param = self.gate_up.weights[0]
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, dtype=param.dtype, device=param.device)
+        self._peers_agree = False
 
     @property
     def expert_range(self) -> range:
@@ -248,6 +251,8 @@ class ExpertParallelMoE(torch.nn.Module):
         if self.group is None or self.world_size == 1:
             n = int(flat.numel())
             return Routing(token, weight, [n], [n], counts, None)
+        if not self._peers_agree:
+            self._check_peers()
         # received[s, e]: rows rank s sends to this rank's local expert e.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -259,6 +264,28 @@ class ExpertParallelMoE(torch.nn.Module):
         expert_of_row = torch.repeat_interleave(local, received)
         order = torch.argsort(expert_of_row, stable=True)
         return Routing(token, weight, send_splits, recv_splits, expert_splits, order)
+
+    def _check_peers(self) -> None:
+        """Once, before the first exchange: every rank's layer must agree on what the
+        exchanges carry. A rank with another num_experts, hidden or dtype sends sizes the
+        others do not expect (gloo aborts the process; a mixed 16-bit dtype would be read
+        as garbage). Every rank gathers the same table, so all raise together, none hangs."""
+        dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        device, dtype = self.router.weight.device, self.router.weight.dtype
+        mine = [self.num_experts, self.hidden, dtypes.index(dtype) if dtype in dtypes else -1]
+        table = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(table, torch.tensor(mine, device=device), group=self.group)
+
+        def shown(row: list[int]) -> tuple[Any, ...]:
+            return row[0], row[1], dtypes[row[2]] if row[2] >= 0 else "another dtype"
+
+        for rank, theirs in enumerate(t.tolist() for t in table):
+            for name, value, other in zip(("num_experts", "hidden", "dtype"), shown(mine), shown(theirs), strict=True):
+                if value != other:
+                    raise InvalidArgumentError(
+                        name, value, f"the same on every rank of the group, like rank {rank}'s {other} (one layer)"
+                    )
+        self._peers_agree = True
 
     def experts(self, rows: torch.Tensor, m_splits: list[int] | torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert: gate-up -> activation -> down."""

@@ -287,6 +287,9 @@ BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
 }
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
     """One of 2 gloo ranks: every bad exchange is refused on the rank (before the collective,
     so no peer waits), then a good one still moves the right rows and gradients."""
@@ -322,16 +325,30 @@ def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
         (got[:, 0] * (100 + torch.arange(got.shape[0]))).sum().backward()
         results["received"] = got[:, 0].tolist()
         results["grad"] = rows.grad.tolist()
+        # Layers that differ between the ranks: refused on every rank, before any exchange.
+        for name, kwargs in (("num_experts", {"num_experts": 4 + 4 * rank}), ("dtype", {"dtype": DTYPES[rank]})):
+            layer = ExpertParallelMoE(**{"num_experts": 4, "hidden": 8, "ffn": 6, "top_k": 2, **kwargs})
+            try:
+                layer(torch.randn(3, 8, dtype=layer.router.weight.dtype))
+                results[f"mismatched {name}"] = "returned"
+            except gg.InvalidArgumentError as e:
+                results[f"mismatched {name}"] = e.argument
+        torch.manual_seed(0)  # the same layer on both ranks: it runs
+        layer = ExpertParallelMoE(4, 8, 6, 2, dtype=torch.float32)
+        results["matched"] = list(layer(torch.randn(3 + rank, 8)).shape)
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
 
 
-def test_all_to_all_checks_each_ranks_splits(tmp_path):
+def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
     """A negative split passed to gloo failed its bounds check and corrupted the heap
     (``malloc(): unaligned tcache chunk``, the process aborted); float, wrong-length or
     mis-summed splits failed deep in torch.distributed, a group that is not a ProcessGroup
-    as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank."""
+    as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank.
+    ExpertParallelMoE layers that differ between the ranks (num_experts, dtype) made gloo
+    abort the process ('Received data size doesn't match expected size'); now every rank
+    names the difference at the first forward."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--exchange-worker"]
     procs = [
@@ -356,6 +373,9 @@ def test_all_to_all_checks_each_ranks_splits(tmp_path):
     for res in results:
         assert res["group='world'"] == res["group=3"] == "group"
         assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
+    for rank, res in enumerate(results):
+        assert res["mismatched num_experts"] == "num_experts" and res["mismatched dtype"] == "dtype"
+        assert res["matched"] == [3 + rank, 8]
     assert results[0]["received"] == [0.0, 10.0, 11.0]
     assert results[1]["received"] == [1.0, 2.0, 3.0, 4.0, 12.0, 13.0, 14.0]
     # d(sum_i got[i] * (100 + i)) / d(rows): each row's gradient is its weight where it arrived.
