@@ -8,8 +8,8 @@ routes its own tokens. A forward pass:
    ``[r * L, (r + 1) * L)``, ``L = num_experts / world_size``);
 2. exchanges the per-expert row counts (``all_to_all`` of ``world_size * L`` integers;
    one host sync, since ``all_to_all_single`` takes its split sizes as Python ints);
-   the first forward also gathers every rank's ``num_experts``, ``hidden`` and dtype
-   and raises on every rank if they differ;
+   the first forward (or ``full_state_dict``) also gathers every rank's configuration
+   (``num_experts``, ``hidden``, ``ffn``, dtype, ...) and raises on every rank if they differ;
 3. dispatches the rows (``all_to_all``), re-sorts what arrived by local expert, runs
    gate-up -> activation -> down with the received counts as ``m_splits``;
 4. combines (the reverse ``all_to_all``) and sums each token's ``top_k`` expert outputs
@@ -266,24 +266,38 @@ class ExpertParallelMoE(torch.nn.Module):
         return Routing(token, weight, send_splits, recv_splits, expert_splits, order)
 
     def _check_peers(self) -> None:
-        """Once, before the first exchange: every rank's layer must agree on what the
-        exchanges carry. A rank with another num_experts, hidden or dtype sends sizes the
-        others do not expect (gloo aborts the process; a mixed 16-bit dtype would be read
-        as garbage). Every rank gathers the same table, so all raise together, none hangs."""
+        """Once, before the first exchange or gather: every rank's layer must be the same
+        layer. A rank with another num_experts, hidden or dtype sends sizes the others do
+        not expect (gloo aborts the process; a mixed 16-bit dtype would be read as garbage),
+        another ffn or bias gathers shards that do not fit. Every rank gathers the same
+        table, so all raise together and none hangs."""
         dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        activations = sorted(ACTIVATIONS)
         device, dtype = self.router.weight.device, self.router.weight.dtype
-        mine = [self.num_experts, self.hidden, dtypes.index(dtype) if dtype in dtypes else -1]
-        table = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(table, torch.tensor(mine, device=device), group=self.group)
-
-        def shown(row: list[int]) -> tuple[Any, ...]:
-            return row[0], row[1], dtypes[row[2]] if row[2] >= 0 else "another dtype"
-
+        decode = {
+            "bias": bool,
+            "activation": activations.__getitem__,
+            "dtype": lambda i: dtypes[i] if i >= 0 else "another dtype",
+        }
+        mine = {
+            "num_experts": self.num_experts,
+            "hidden": self.hidden,
+            "ffn": self.ffn,
+            "top_k": self.top_k,
+            "bias": int(self.gate_up.use_bias),
+            "activation": activations.index(self.activation),
+            "dtype": dtypes.index(dtype) if dtype in dtypes else -1,
+        }
+        table = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(table, torch.tensor(list(mine.values()), device=device), group=self.group)
         for rank, theirs in enumerate(t.tolist() for t in table):
-            for name, value, other in zip(("num_experts", "hidden", "dtype"), shown(mine), shown(theirs), strict=True):
+            for (name, value), other in zip(mine.items(), theirs, strict=True):
                 if value != other:
+                    show = decode.get(name, int)
                     raise InvalidArgumentError(
-                        name, value, f"the same on every rank of the group, like rank {rank}'s {other} (one layer)"
+                        name,
+                        show(value),
+                        f"the same on every rank of the group, like rank {rank}'s {show(other)} (one layer)",
                     )
         self._peers_agree = True
 
@@ -349,6 +363,8 @@ class ExpertParallelMoE(torch.nn.Module):
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         if self.group is None or self.world_size == 1:
             return state
+        if not self._peers_agree:
+            self._check_peers()
         for key in self._expert_keys():
             shard = state[key].contiguous()
             parts = [torch.empty_like(shard) for _ in range(self.world_size)]
