@@ -1,6 +1,7 @@
-"""Adversarial cases from the module pass: ``GroupedLinear`` (checkpoints, casts, copies,
-frozen MX weights, ``main_grad``), the custom ops and ``ops.gmm``, expert parallelism.
-Each failed before its fix; CPU only, small shapes.
+"""Adversarial cases from the module pass: ``GroupedLinear`` and ``grouped_linear``
+(``main_grad`` buffers, separate biases, copies of frozen MX weights, compiled fused
+layers), the custom ops, expert parallelism (``all_to_all``, ranks that disagree,
+``load_full_state_dict``). Each failed before its fix; CPU only, small shapes.
 """
 
 from __future__ import annotations
