@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from grouped_gemm.custom_ops import fwd_op
-from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
 from grouped_gemm.linear import ApiGemms, Splits, Weights, forward_gemm, linear_backward, split_args, weight_operand
 from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
 from grouped_gemm.mx import MXTensor
@@ -164,19 +164,33 @@ def run_grouped_linear(
     """``grouped_linear``, plus ``GroupedLinear``'s frozen MX weights (eager only; the
     compiled op always quantizes the parameters it is given)."""
     key = op_recipe(recipe, x)
-    weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if isinstance(weight, torch.Tensor):
+        weights = [weight]
+    elif isinstance(weight, (list, tuple)):
+        weights = list(weight)
+    else:
+        raise InvalidTypeError("weight", weight, "a (G, N, K) tensor or a list of G (N, K) tensors")
+    if not isinstance(fuse_wgrad_accumulation, bool):
+        raise InvalidTypeError("fuse_wgrad_accumulation", fuse_wgrad_accumulation, "True or False")
     m_splits = snapshot_splits(m_splits)
     if bias is not None and weights and isinstance(weights[0], torch.Tensor) and isinstance(x, torch.Tensor):
         w0 = weights[0]
         check_bias(bias, w0.shape[0] if w0.dim() == 3 else len(weights), w0.shape[-2], x)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
+    # Only a forward that will produce weight gradients needs the main_grad buffers (an
+    # inference or frozen-weight call of a fused layer runs without them, compiled or not).
+    needs_main_grad = (
+        fuse_wgrad_accumulation
+        and torch.is_grad_enabled()
+        and any(isinstance(w, torch.Tensor) and w.requires_grad for w in weights)
+    )
     if torch.compiler.is_compiling():
         splits, splits_tensor = split_args(m_splits)
-        bufs = main_grads(weights) if fuse_wgrad_accumulation else None
+        bufs = main_grads(weights) if needs_main_grad else None
         y = fwd_op(x, weights, bias, splits, splits_tensor, key, bufs)
         return out.copy_(y) if out is not None else y
-    if fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+    if needs_main_grad:
         main_grads(weights)
     plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, frozen or {})
     return GroupedLinearFunction.apply(x, bias, out, plan, *weights)

@@ -15,8 +15,9 @@ import torch
 
 from grouped_gemm import api
 from grouped_gemm.linear import bias_grad, forward_gemm, linear_backward, splits_from_args, weight_grads, weight_operand
-from grouped_gemm.main_grad import accumulate_wgrad
+from grouped_gemm.main_grad import accumulate_wgrad, check_no_aliasing
 from grouped_gemm.recipe_codec import recipe_from_key
+from grouped_gemm.validation import check_tensor, group_count, splits_operand
 
 _SPLITS = "SymInt[]? splits, Tensor? splits_tensor, str recipe"
 
@@ -30,6 +31,8 @@ def _fwd_impl(
     recipe: str,
     main_grad: list[torch.Tensor] | None,
 ) -> torch.Tensor:
+    if main_grad is not None:
+        check_no_aliasing(w, main_grad)  # here at run time: a compiled graph cannot read pointers
     return forward_gemm(x, weight_operand(w), bias, splits_from_args(splits, splits_tensor), recipe_from_key(recipe))
 
 
@@ -94,7 +97,12 @@ wgrad_accumulate_op.__doc__ = "``main_grad[g] += dy[rows of g].T @ x[rows of g]`
 
 
 def _bias_grad_impl(dy: torch.Tensor, splits: Sequence[int] | None, splits_tensor: torch.Tensor | None) -> torch.Tensor:
-    return bias_grad(dy, splits_from_args(splits, splits_tensor))
+    # Checked like the GEMM ops' splits: segment_reduce(unsafe=True) trusts the lengths, and
+    # a sum past dy's rows would read out of bounds.
+    m_splits = splits_from_args(splits, splits_tensor)
+    check_tensor(dy, "dy", 2, "(M, N)")
+    splits_operand(m_splits, group_count(m_splits), dy.shape[0], "dy", dy.device)
+    return bias_grad(dy, m_splits)
 
 
 bias_grad_op = torch.library.custom_op(

@@ -23,6 +23,7 @@ from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.main_grad import accumulate_wgrad
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipes import Recipe
+from grouped_gemm.validation import check_bias, group_count
 
 Splits = list[int] | torch.Tensor | GroupOffsets
 Weights = torch.Tensor | list[torch.Tensor]
@@ -113,6 +114,8 @@ def forward_gemm(
     """``y[rows of g] = x[rows of g] @ w[g].T (+ bias[g])`` through the dispatcher."""
     y = api.grouped_gemm(x, w, m_splits, recipe=recipe, out=out)
     if bias is not None:
+        # The GEMM checked the splits against w; a bias of another shape would broadcast.
+        check_bias(bias, group_count(m_splits), y.shape[1], x)
         add_group_bias_(y, bias, m_splits)
     return y
 

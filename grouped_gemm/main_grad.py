@@ -43,10 +43,36 @@ def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
     return dummy.detach()
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two dense tensors' byte ranges overlap (wgrad would write into the weight)."""
-    sa, sb = _span(a), _span(b)
-    return sa is not None and sb is not None and sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]
+def check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> None:
+    """InvalidArgumentError naming the ``main_grad`` that overlaps a weight (wgrad would add
+    into the weight) or another ``main_grad`` (two experts' gradients would add into one).
+
+    One sweep over the byte ranges sorted by start: a range that starts before the
+    furthest end so far overlaps the range reaching it, and the first overlap involving a
+    buffer is always found this way (weights may overlap each other)."""
+    names = ["weight"] if len(weights) == 1 else [f"weight{i}" for i in range(len(weights))]
+    buf_names = [f"{name}.main_grad" for name in names]
+    if len(bufs) != len(weights):  # the fwd op also takes G buffers for one stacked weight
+        buf_names = [f"main_grad[{i}]" for i in range(len(bufs))]
+    # (span, name, tensor, is a buffer)
+    ranges = [(_span(w), name, w, False) for name, w in zip(names, weights, strict=True)]
+    ranges += [(_span(buf), name, buf, True) for name, buf in zip(buf_names, bufs, strict=True)]
+    ranges = sorted((r for r in ranges if r[0] is not None), key=lambda r: r[0][:2])
+    furthest = None
+    for current in ranges:
+        span = current[0]
+        if furthest is None or furthest[0][0] != span[0]:
+            furthest = current
+            continue
+        if span[1] < furthest[0][2] and (current[3] or furthest[3]):
+            buf, other = (current, furthest) if current[3] else (furthest, current)
+            raise InvalidArgumentError(
+                buf[1],
+                buf[2],
+                f"a buffer that shares no memory with the weights or other main_grads; it overlaps {other[1]}",
+            )
+        if span[2] > furthest[0][2]:
+            furthest = current
 
 
 def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,10 +93,12 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             raise InvalidArgumentError(name, buf, "a dense contiguous tensor (wgrad adds into it in place)")
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
-        # (Dynamo cannot trace storage pointers: the overlap check is eager-only.)
-        if not torch.compiler.is_compiling() and _shares_memory(buf, w):
-            raise InvalidArgumentError(name, buf, "a buffer that shares no memory with the weight")
+        if found and buf.dtype != found[0].dtype:  # one wgrad call writes every buffer
+            raise DTypeError(name, buf, f"dtype {found[0].dtype}, like weight0.main_grad (one dtype for all)")
         found.append(buf)
+    # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
+    if not torch.compiler.is_compiling():
+        check_no_aliasing(weights, found)
     return found
 
 

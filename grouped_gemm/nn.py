@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from grouped_gemm.autograd import run_grouped_linear
-from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
+from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
@@ -200,6 +200,21 @@ class GroupedLinear(torch.nn.Module):
             }
         self._frozen = FrozenWeights(quantized, _stamp(weights))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, torch.save) has new weights, which a frozen copy's stamp cannot
+        # match: mark a stale one so that it stays refused, and __setstate__ re-stamps the rest.
+        state = super().__getstate__()
+        frozen = self._frozen
+        if frozen is not None and _stamp(self.weights) != frozen.stamp:
+            state["_frozen"] = dataclasses.replace(frozen, stamp=())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        frozen = state.get("_frozen")
+        if frozen is not None and frozen.stamp:
+            self._frozen = dataclasses.replace(frozen, stamp=_stamp(self.weights))
+
     def unfreeze_quantized_weights(self) -> None:
         """Drop the frozen copy: forwards quantize the current weights per call again."""
         self._frozen = None
@@ -237,13 +252,26 @@ class GroupedLinear(torch.nn.Module):
             )
         return frozen.quantized
 
+    def _stacked_biases(self) -> torch.Tensor:
+        """``bias0 ... bias{G-1}`` as one ``(G, out_features)`` tensor, each checked first
+        (``torch.stack``'s own errors name no parameter)."""
+        biases = self.biases
+        for i, b in enumerate(biases):
+            if not isinstance(b, torch.Tensor):
+                raise InvalidTypeError(f"bias{i}", b, f"a tensor of shape (out_features,)=({self.out_features},)")
+            if tuple(b.shape) != (self.out_features,):
+                raise ShapeError(f"bias{i}", b, f"shape (out_features,)=({self.out_features},)")
+            if b.device != biases[0].device:
+                raise DeviceMismatchError(f"bias{i}", b, f"a tensor on {biases[0].device}, like bias0")
+        return torch.stack(biases)
+
     def forward(self, x: torch.Tensor, m_splits: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(M, in_features)``, rows grouped by ``m_splits`` (G ints or a 1-D integer
         tensor, on the host or the device) -> ``(M, out_features)``, written into ``out``
         when given."""
         bias = None
         if self.use_bias:
-            bias = self.bias if not self.separate_weights else torch.stack(self.biases)
+            bias = self.bias if not self.separate_weights else self._stacked_biases()
         weight = self.weights if self.separate_weights else self.weight
         frozen = self._frozen_for(x)
         return run_grouped_linear(

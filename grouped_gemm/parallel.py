@@ -8,6 +8,8 @@ routes its own tokens. A forward pass:
    ``[r * L, (r + 1) * L)``, ``L = num_experts / world_size``);
 2. exchanges the per-expert row counts (``all_to_all`` of ``world_size * L`` integers;
    one host sync, since ``all_to_all_single`` takes its split sizes as Python ints);
+   the first forward (or ``full_state_dict``) also gathers every rank's configuration
+   (``num_experts``, ``hidden``, ``ffn``, dtype, ...) and raises on every rank if they differ;
 3. dispatches the rows (``all_to_all``), re-sorts what arrived by local expert, runs
    gate-up -> activation -> down with the received counts as ``m_splits``;
 4. combines (the reverse ``all_to_all``) and sums each token's ``top_k`` expert outputs
@@ -23,6 +25,7 @@ fails raises, the others wait for that timeout and then raise.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -76,14 +79,39 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(
-    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+    rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Send ``send_splits[r]`` consecutive rows of ``rows`` to rank r of ``group`` and return
     the ``recv_splits[r]`` rows from each rank r, in rank order; differentiable.
 
     Every rank must call it, and (under autograd) run its backward, the same number of times.
+    Each rank's splits are checked before the exchange: a negative size makes the collective
+    read and write out of bounds. (That rank r's ``send_splits`` equals what rank r's peers
+    expect in ``recv_splits`` cannot be checked without another collective.)
     """
-    return _AllToAll.apply(rows, list(send_splits), list(recv_splits), group)
+    if not isinstance(rows, torch.Tensor):
+        raise InvalidTypeError("rows", rows, "a torch.Tensor of rows to send")
+    if rows.dim() == 0:
+        raise ShapeError("rows", rows, "a tensor of at least one dimension (rows to send)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise InvalidTypeError("group", group, "a torch.distributed ProcessGroup (None: the default group)")
+    world = dist.get_world_size(group)
+    send = _rank_splits("send_splits", send_splits, world)
+    recv = _rank_splits("recv_splits", recv_splits, world)
+    if sum(send) != rows.shape[0]:
+        raise InvalidArgumentError("send_splits", send, f"sizes summing to rows.shape[0]={rows.shape[0]}")
+    return _AllToAll.apply(rows, send, recv, group)
+
+
+def _rank_splits(name: str, splits: Any, world: int) -> list[int]:
+    """``splits`` as ``world`` non-negative ints (ints, numpy ints or 0-d integer tensors)."""
+    try:
+        values = [operator.index(v) if not isinstance(v, bool) else None for v in splits]
+    except TypeError:
+        values = [None]
+    if len(values) != world or any(v is None or v < 0 for v in values):
+        raise InvalidArgumentError(name, splits, f"{world} non-negative ints, one per rank of the group")
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +167,8 @@ class ExpertParallelMoE(torch.nn.Module):
 
     ``activation``: ``"swiglu"`` / ``"geglu"`` (gate-up has ``2 * ffn`` outputs, the
     first half is the gate) or ``"gelu"`` / ``"relu"``. ``recipe``, ``dtype``, ``device``
-    and ``bias`` go to both ``GroupedLinear`` layers; the router uses their parameter dtype.
+    and ``bias`` go to both ``GroupedLinear`` layers (without a recipe they compute in
+    ``dtype``, bf16 when neither is given); the router uses their parameter dtype.
     ``normalize_weights``: rescale each token's top-k router weights to sum to 1.
     """
 
@@ -151,7 +180,7 @@ class ExpertParallelMoE(torch.nn.Module):
         top_k: int,
         *,
         process_group: dist.ProcessGroup | None = None,
-        recipe: str | Recipe = "bf16",
+        recipe: str | Recipe | None = None,
         activation: str = "swiglu",
         bias: bool = False,
         normalize_weights: bool = True,
@@ -165,7 +194,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.top_k = _positive("top_k", top_k)
         if top_k > num_experts:
             raise InvalidArgumentError("top_k", top_k, f"at most num_experts={num_experts}")
-        if activation not in ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise InvalidArgumentError("activation", activation, f"one of {sorted(ACTIVATIONS)}")
         if not isinstance(normalize_weights, bool):
             raise InvalidTypeError("normalize_weights", normalize_weights, "True or False")
@@ -187,6 +216,7 @@ class ExpertParallelMoE(torch.nn.Module):
         self.down = GroupedLinear(self.local_experts, ffn, hidden, **linear)
         param = self.gate_up.weights[0]
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, dtype=param.dtype, device=param.device)
+        self._peers_agree = False
 
     @property
     def expert_range(self) -> range:
@@ -221,6 +251,8 @@ class ExpertParallelMoE(torch.nn.Module):
         if self.group is None or self.world_size == 1:
             n = int(flat.numel())
             return Routing(token, weight, [n], [n], counts, None)
+        if not self._peers_agree:
+            self._check_peers()
         # received[s, e]: rows rank s sends to this rank's local expert e.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -232,6 +264,42 @@ class ExpertParallelMoE(torch.nn.Module):
         expert_of_row = torch.repeat_interleave(local, received)
         order = torch.argsort(expert_of_row, stable=True)
         return Routing(token, weight, send_splits, recv_splits, expert_splits, order)
+
+    def _check_peers(self) -> None:
+        """Once, before the first exchange or gather: every rank's layer must be the same
+        layer. A rank with another num_experts, hidden or dtype sends sizes the others do
+        not expect (gloo aborts the process; a mixed 16-bit dtype would be read as garbage),
+        another ffn or bias gathers shards that do not fit. Every rank gathers the same
+        table, so all raise together and none hangs."""
+        dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        activations = sorted(ACTIVATIONS)
+        device, dtype = self.router.weight.device, self.router.weight.dtype
+        decode = {
+            "bias": bool,
+            "activation": activations.__getitem__,
+            "dtype": lambda i: dtypes[i] if i >= 0 else "another dtype",
+        }
+        mine = {
+            "num_experts": self.num_experts,
+            "hidden": self.hidden,
+            "ffn": self.ffn,
+            "top_k": self.top_k,
+            "bias": int(self.gate_up.use_bias),
+            "activation": activations.index(self.activation),
+            "dtype": dtypes.index(dtype) if dtype in dtypes else -1,
+        }
+        table = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(table, torch.tensor(list(mine.values()), device=device), group=self.group)
+        for rank, theirs in enumerate(t.tolist() for t in table):
+            for (name, value), other in zip(mine.items(), theirs, strict=True):
+                if value != other:
+                    show = decode.get(name, int)
+                    raise InvalidArgumentError(
+                        name,
+                        show(value),
+                        f"the same on every rank of the group, like rank {rank}'s {show(other)} (one layer)",
+                    )
+        self._peers_agree = True
 
     def experts(self, rows: torch.Tensor, m_splits: list[int] | torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows grouped by local expert: gate-up -> activation -> down."""
@@ -271,6 +339,8 @@ class ExpertParallelMoE(torch.nn.Module):
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a whole layer's state (e.g. a single-process layer's ``state_dict()``):
         the router as is, this rank's slice of every expert tensor. No collective."""
+        if not isinstance(state, Mapping):
+            raise InvalidTypeError("state", state, "a mapping of names to tensors (a whole layer's state_dict())")
         expected = set(self.state_dict())
         if set(state) != expected:
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -280,6 +350,8 @@ class ExpertParallelMoE(torch.nn.Module):
         local = dict(state)
         for key in self._expert_keys():
             full = state[key]
+            if not isinstance(full, torch.Tensor):
+                raise InvalidTypeError(f"state[{key!r}]", full, "a tensor (every expert's, stacked)")
             if full.dim() < 1 or full.shape[0] != self.num_experts:
                 raise ShapeError(f"state[{key!r}]", full, f"a leading dimension of num_experts={self.num_experts}")
             local[key] = full[self.expert_range.start : self.expert_range.stop]
@@ -291,6 +363,8 @@ class ExpertParallelMoE(torch.nn.Module):
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         if self.group is None or self.world_size == 1:
             return state
+        if not self._peers_agree:
+            self._check_peers()
         for key in self._expert_keys():
             shard = state[key].contiguous()
             parts = [torch.empty_like(shard) for _ in range(self.world_size)]

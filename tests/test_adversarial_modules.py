@@ -1,0 +1,438 @@
+"""Adversarial cases from the module pass: ``GroupedLinear`` and ``grouped_linear``
+(``main_grad`` buffers, separate biases, copies of frozen MX weights, compiled fused
+layers), the custom ops, expert parallelism (``all_to_all``, ranks that disagree,
+``load_full_state_dict``). Each failed before its fix; CPU only, small shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm.parallel import ExpertParallelMoE
+
+G, K, N = 3, 8, 4
+SPLITS = [2, 0, 5]
+
+# ---- main_grad buffers that alias another expert's weight or buffer ---------------------------
+
+
+def _views_one_row_apart(flat: torch.Tensor) -> list[torch.Tensor]:
+    """G ``(N, K)`` views of ``flat`` whose starts are one row apart: each overlaps the next."""
+    return [flat[g * K : g * K + N * K].view(N, K) for g in range(G)]
+
+
+ALIASING_MAIN_GRADS: dict[str, Callable[[gg.GroupedLinear], list[torch.Tensor]]] = {
+    "one_buffer_for_every_expert": lambda layer: [torch.zeros(N, K)] * G,
+    "another_experts_weight": lambda layer: [torch.zeros(N, K), layer.weight0.data, torch.zeros(N, K)],
+    "overlapping_views": lambda layer: _views_one_row_apart(torch.zeros(G * N * K)),
+}
+
+
+@pytest.mark.parametrize("bad", list(ALIASING_MAIN_GRADS))
+def test_a_main_grad_aliasing_another_expert_is_named_at_forward(bad, gen):
+    """Only a main_grad sharing its *own* weight's memory was refused: one overlapping
+    another expert's weight ran, and wgrad added into that weight silently; buffers
+    shared between experts failed in backward as ``out=...`` (never passed by the caller)."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True)
+    before = [w.detach().clone() for w in layer.weights]
+    for w, buf in zip(layer.weights, ALIASING_MAIN_GRADS[bad](layer), strict=True):
+        w.main_grad = buf
+    x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^weight[12]\.main_grad=.*overlaps weight[01]"):
+        layer(x, SPLITS)
+    assert all(torch.equal(w, b) for w, b in zip(layer.weights, before, strict=True))
+
+
+def test_a_main_grad_aliasing_another_expert_is_named_under_compile(gen):
+    """Under torch.compile the overlap check (eager-only: Dynamo cannot read pointers) was
+    skipped, and the compiled backward added wgrad into another expert's weight silently.
+    The fwd op now checks at run time."""
+    torch._dynamo.reset()
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True)
+    before = [w.detach().clone() for w in layer.weights]
+    for w, buf in zip(layer.weights, ALIASING_MAIN_GRADS["another_experts_weight"](layer), strict=True):
+        w.main_grad = buf
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
+    try:
+        with pytest.raises(gg.InvalidArgumentError, match=r"^weight1\.main_grad=.*overlaps weight0"):
+            compiled(x, torch.tensor(SPLITS)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.equal(w, b) for w, b in zip(layer.weights, before, strict=True))
+
+
+def test_main_grads_of_mixed_dtypes_are_named_at_forward(gen):
+    """Each buffer's dtype was checked alone: fp32 and bf16 buffers passed the forward and
+    backward failed as ``out[1]=... every group's weight has dtype torch.float32``."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True)
+    for g, w in enumerate(layer.weights):
+        w.main_grad = torch.zeros(N, K, dtype=torch.bfloat16 if g == 1 else torch.float32)
+    x = torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True)
+    with pytest.raises(gg.DTypeError, match=r"^weight1\.main_grad=.*like weight0\.main_grad"):
+        layer(x, SPLITS)
+
+
+def test_distinct_main_grads_in_one_flat_buffer_accumulate(gen):
+    """Megatron's layout: every main_grad a view into one flat grad buffer, back to back."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True, fuse_wgrad_accumulation=True, bias=False)
+    flat = torch.randn(G * N * K, generator=gen)
+    start = flat.clone()
+    for g, w in enumerate(layer.weights):
+        w.main_grad = flat[g * N * K : (g + 1) * N * K].view(N, K)
+    x = torch.randn(sum(SPLITS), K, generator=gen, dtype=torch.float64)
+    dy = torch.randn(sum(SPLITS), N, generator=gen, dtype=torch.float64)
+    layer(x.float(), SPLITS).backward(dy.float())
+    want = torch.cat([d.T @ a for d, a in zip(dy.split(SPLITS), x.split(SPLITS), strict=True)]).flatten()
+    assert torch.allclose(flat.double() - start.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen_weights"])
+def test_a_compiled_fused_layer_needs_no_main_grad_without_weight_gradients(mode, gen):
+    """Eager, a fused layer asks for main_grad only when the call will produce weight
+    gradients; compiled, it asked always: inference (or training only the input) of a
+    compiled fused layer failed for the missing main_grad (under fullgraph as Dynamo's
+    'Attempted to call a super() attribute')."""
+    torch._dynamo.reset()
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", fuse_wgrad_accumulation=True)
+    if mode == "frozen_weights":
+        layer.requires_grad_(False)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(sum(SPLITS), K, generator=gen, dtype=torch.float64)
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    want = torch.cat([a @ w[g].T + b[g] for g, a in enumerate(x.split(SPLITS))])
+    xin = x.float().requires_grad_(mode == "frozen_weights")
+    try:
+        with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)():
+            y = compiled(xin, torch.tensor(SPLITS))
+        assert torch.allclose(y.double(), want, atol=1e-5, rtol=1e-5)
+        if mode == "frozen_weights":
+            dy = torch.randn(sum(SPLITS), N, generator=gen, dtype=torch.float64)
+            y.backward(dy.float())
+            want_dx = torch.cat([d @ w[g] for g, d in enumerate(dy.split(SPLITS))])
+            assert torch.allclose(xin.grad.double(), want_dx, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+# ---- separate_weights: a replaced bias{i} ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bias1", "error"),
+    [
+        (None, gg.InvalidTypeError),
+        (torch.nn.Parameter(torch.zeros(N + 1)), gg.ShapeError),
+        (torch.nn.Parameter(torch.zeros(1, N)), gg.ShapeError),
+        (torch.nn.Parameter(torch.zeros(N, device="meta")), gg.DeviceMismatchError),
+    ],
+)
+def test_a_replaced_separate_bias_is_named(bias1, error, gen):
+    """``torch.stack(self.biases)`` ran unchecked: ``RuntimeError: stack expects each
+    tensor to be equal size`` or ``TypeError: expected Tensor as element 1``, naming no
+    parameter. Weights replaced the same way were already named (``w[1]``)."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True)
+    layer.bias1 = bias1
+    with pytest.raises(error, match=r"^bias1="):
+        layer(torch.randn(sum(SPLITS), K, generator=gen), SPLITS)
+
+
+def test_separate_biases_still_add_per_expert(gen):
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32", separate_weights=True)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    want = torch.cat(
+        [
+            a.double() @ w.double().T + b.double()
+            for a, w, b in zip(x.split(SPLITS), layer.weights, layer.biases, strict=True)
+        ]
+    )
+    assert torch.allclose(layer(x, SPLITS).double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- copies of a layer with frozen MX weights ---------------------------------------------------
+
+
+def _copy(layer: gg.GroupedLinear, how: str) -> gg.GroupedLinear:
+    if how == "deepcopy":
+        return copy.deepcopy(layer)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_copy_of_a_frozen_layer_runs_and_stays_checked(how, separate, gen):
+    """The frozen copy's stamp holds the weights' identities and pointers, which a copy's
+    weights never match: a deepcopy or a torch.save/torch.load of a frozen layer, weights
+    untouched, refused every forward with ``weight='changed since freeze_quantized_weights()'``.
+    Now a copy re-stamps a valid frozen copy; a stale one stays refused, and later changes to
+    the copy's weights are still caught."""
+    torch.manual_seed(5)
+    layer = gg.GroupedLinear(2, 64, 32, recipe="mxfp8", separate_weights=separate).requires_grad_(False)
+    x = torch.randn(10, 64, generator=gen).bfloat16()
+    with gg.use_backends("reference", strict=True):
+        layer.freeze_quantized_weights()
+        want = layer(x, [4, 6])
+        twin = _copy(layer, how)
+        assert twin.frozen and torch.equal(twin(x, [4, 6]), want)
+        with torch.no_grad():
+            twin.weights[0].mul_(2)
+        with pytest.raises(gg.InvalidArgumentError, match="changed since freeze_quantized_weights"):
+            twin(x, [4, 6])
+        with torch.no_grad():
+            layer.weights[-1].mul_(2)  # the original goes stale: so must its copies
+        with pytest.raises(gg.InvalidArgumentError, match="changed since freeze_quantized_weights"):
+            _copy(layer, how)(x, [4, 6])
+
+
+# ---- grouped_linear's weight and flag ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight", [None, 5, "w", {"w": 1}])
+def test_grouped_linear_names_a_weight_that_is_not_a_tensor_or_list(weight, gen):
+    """``list(weight)`` ran first: None or an int escaped as ``TypeError: ... is not
+    iterable``, a str or dict as ``AttributeError: 'str' object has no attribute 'dim'``."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    with pytest.raises(gg.InvalidTypeError, match=r"^weight=.*\(G, N, K\) tensor or a list"):
+        gg.grouped_linear(x, weight, SPLITS, recipe="fp32")
+
+
+@pytest.mark.parametrize("flag", [1, "no", None])
+def test_grouped_linear_names_a_non_bool_fuse_flag(flag, gen):
+    """Any truthy value turned fused accumulation on (``"no"`` included), any falsy one off,
+    where ``GroupedLinear`` refuses them: now the functional form refuses them too."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen, requires_grad=True)
+    with pytest.raises(gg.InvalidTypeError, match=r"^fuse_wgrad_accumulation=.*True or False"):
+        gg.grouped_linear(x, w, SPLITS, recipe="fp32", fuse_wgrad_accumulation=flag)
+
+
+# ---- torch.ops.grouped_gemm.bias_grad checks its splits --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("splits", "splits_tensor", "error"),
+    [
+        ([2, 0, 9], None, gg.SplitsError),  # sums past dy's 7 rows
+        (None, torch.tensor([2, 0, 9]), gg.SplitsError),
+        ([9, -2, 0], None, gg.SplitsError),
+        (None, torch.tensor([2.0, 0.0, 5.0]), gg.SplitsError),
+        (None, None, gg.InvalidTypeError),
+    ],
+)
+def test_bias_grad_op_checks_its_splits(splits, splits_tensor, error, gen):
+    """segment_reduce(unsafe=True) trusted the lengths: splits summing past dy's rows read
+    the memory after dy (here 1e30s that came out in the sum), a negative size failed in
+    torch ('Expected segment_length >= 0'), float or missing splits slipped through or
+    failed as a bare TypeError."""
+    memory = torch.randn(20, N, generator=gen)
+    memory[7:] = 1e30
+    dy = memory[:7]
+    with pytest.raises(error, match=r"^m_splits="):
+        torch.ops.grouped_gemm.bias_grad(dy, splits, splits_tensor)
+
+
+def test_bias_grad_op_sums_each_group(gen):
+    dy = torch.randn(7, N, generator=gen)
+    for splits, splits_tensor in (([2, 0, 5], None), (None, torch.tensor([2, 0, 5]))):
+        got = torch.ops.grouped_gemm.bias_grad(dy, splits, splits_tensor)
+        want = torch.stack([part.double().sum(0) for part in dy.split([2, 0, 5])])
+        assert torch.allclose(got.double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bias", "error"),
+    [
+        (torch.ones(G, 1), gg.ShapeError),  # broadcast over N: every output moved by 1, silently
+        (torch.ones(1, N), gg.ShapeError),
+        (torch.ones(G * N), gg.ShapeError),
+        (torch.ones(G, N, dtype=torch.int64), gg.DTypeError),
+    ],
+)
+@pytest.mark.parametrize("tensor_splits", [False, True])
+def test_fwd_op_checks_its_bias(bias, error, tensor_splits, gen):
+    """``torch.ops.grouped_gemm.fwd`` (what grouped_linear runs under torch.compile, and the
+    documented entry for double backward) added any bias that repeat_interleave and add_
+    accepted: a ``(G, 1)`` bias broadcast over N; others failed inside torch."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen)
+    splits, splits_tensor = (None, torch.tensor(SPLITS)) if tensor_splits else (SPLITS, None)
+    with pytest.raises(error, match=r"^bias="):
+        torch.ops.grouped_gemm.fwd(x, [w], bias, splits, splits_tensor, "fp32", None)
+
+
+# ---- all_to_all: each rank's splits are checked before the exchange ---------------------------
+
+BAD_EXCHANGES: dict[str, tuple[list, list, str]] = {
+    # (send_splits, recv_splits, argument named) for 5 rows on each of 2 ranks
+    "negative_send": ([6, -1], [5, 5], "send_splits"),
+    "negative_recv": ([2, 3], [6, -1], "recv_splits"),
+    "float_sizes": ([2.5, 2.5], [5, 5], "send_splits"),
+    "bool_sizes": ([True, 4], [5, 5], "send_splits"),
+    "one_size_for_two_ranks": ([5], [5, 5], "send_splits"),
+    "sizes_not_summing_to_rows": ([2, 2], [4, 4], "send_splits"),
+}
+
+
+# ExpertParallelMoE arguments that differ between rank 0 and rank 1.
+MISMATCHES: dict[str, Callable[[int], dict]] = {
+    "num_experts": lambda rank: {"num_experts": 4 + 4 * rank},
+    "dtype": lambda rank: {"dtype": (torch.float32, torch.bfloat16)[rank]},
+    "ffn": lambda rank: {"ffn": 6 + 2 * rank},
+}
+
+
+def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
+    """One of 2 gloo ranks: every bad exchange is refused on the rank (before the collective,
+    so no peer waits), then a good one still moves the right rows and gradients."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from grouped_gemm.parallel import all_to_all
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
+    results: dict[str, object] = {}
+    try:
+        rows = torch.randn(5, 3)
+        for group in ("world", 3):
+            try:
+                all_to_all(rows, [2, 3], [2, 3], group)
+                results[f"group={group!r}"] = "returned"
+            except gg.InvalidTypeError as e:
+                results[f"group={group!r}"] = e.argument
+        for name, (send, recv, _) in BAD_EXCHANGES.items():
+            try:
+                all_to_all(rows, send, recv, dist.group.WORLD)
+                results[name] = "returned"
+            except gg.InvalidArgumentError as e:
+                results[name] = e.argument
+        # Rank r sends its rows [0, 1 + r) to rank 0 and the rest to rank 1.
+        rows = (10 * rank + torch.arange(5, dtype=torch.float64)).requires_grad_()
+        send = [1 + rank, 4 - rank]
+        recv = [1, 2] if rank == 0 else [4, 3]
+        got = all_to_all(rows[:, None], send, recv, dist.group.WORLD)
+        (got[:, 0] * (100 + torch.arange(got.shape[0]))).sum().backward()
+        results["received"] = got[:, 0].tolist()
+        results["grad"] = rows.grad.tolist()
+        # Layers that differ between the ranks: refused on every rank, before any exchange.
+        for name, kwargs in MISMATCHES.items():
+            layer = ExpertParallelMoE(**{"num_experts": 4, "hidden": 8, "ffn": 6, "top_k": 2, **kwargs(rank)})
+            try:
+                if name == "ffn":  # forward exchanges the same sizes: gathering the shards fails
+                    layer.full_state_dict()
+                else:
+                    layer(torch.randn(3, 8, dtype=layer.router.weight.dtype))
+                results[f"mismatched {name}"] = "returned"
+            except gg.InvalidArgumentError as e:
+                results[f"mismatched {name}"] = e.argument
+        torch.manual_seed(0)  # the same layer on both ranks: it runs
+        layer = ExpertParallelMoE(4, 8, 6, 2, dtype=torch.float32)
+        results["matched"] = list(layer(torch.randn(3 + rank, 8)).shape)
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
+    """A negative split passed to gloo failed its bounds check and corrupted the heap
+    (``malloc(): unaligned tcache chunk``, the process aborted); float, wrong-length or
+    mis-summed splits failed deep in torch.distributed, a group that is not a ProcessGroup
+    as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank.
+    ExpertParallelMoE layers that differ between the ranks (num_experts, dtype) made gloo
+    abort the process ('Received data size doesn't match expected size'), or (ffn) gather
+    shards that do not fit; now every rank names the difference at the first forward or
+    full_state_dict."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--exchange-worker"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(r), str(tmp_path / "store"), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert res["group='world'"] == res["group=3"] == "group"
+        assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
+    for rank, res in enumerate(results):
+        assert {name: res[f"mismatched {name}"] for name in MISMATCHES} == {name: name for name in MISMATCHES}
+        assert res["matched"] == [3 + rank, 8]
+    assert results[0]["received"] == [0.0, 10.0, 11.0]
+    assert results[1]["received"] == [1.0, 2.0, 3.0, 4.0, 12.0, 13.0, 14.0]
+    # d(sum_i got[i] * (100 + i)) / d(rows): each row's gradient is its weight where it arrived.
+    assert results[0]["grad"] == [100.0, 100.0, 101.0, 102.0, 103.0]
+    assert results[1]["grad"] == [101.0, 102.0, 104.0, 105.0, 106.0]
+
+
+@pytest.mark.parametrize("activation", [["relu"], {"swiglu": 1}, None, 3])
+def test_an_unhashable_or_non_string_activation_is_named(activation):
+    """``activation=["relu"]`` escaped as ``TypeError: unhashable type: 'list'``."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^activation=.*one of"):
+        ExpertParallelMoE(4, 8, 6, 2, recipe="fp32", activation=activation)
+
+
+@pytest.mark.parametrize(("dtype", "recipe"), [(None, "bf16"), (torch.float32, "fp32"), (torch.float16, "fp16")])
+def test_expert_parallel_dtype_alone_picks_the_plain_recipe(dtype, recipe, gen):
+    """The layer's default recipe was "bf16", so ``dtype=torch.float32`` alone was refused
+    (``recipe bf16 computes in torch.bfloat16``) although ``GroupedLinear`` takes it."""
+    layer = ExpertParallelMoE(4, 8, 6, 2, dtype=dtype)
+    want = dtype or torch.bfloat16
+    assert layer.gate_up.recipe.name == layer.down.recipe.name == recipe
+    assert {p.dtype for p in layer.parameters()} == {want}
+    x = torch.randn(5, 8, generator=gen).to(want)
+    assert layer(x).dtype == want
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        (lambda state: None, "state"),
+        (lambda state: list(state.items()), "state"),
+        (lambda state: {**state, "down.weight": state["down.weight"].tolist()}, r"state\['down.weight'\]"),
+    ],
+)
+def test_load_full_state_dict_names_what_is_not_a_state(change, name):
+    """None escaped as ``TypeError: 'NoneType' object is not iterable``, an expert value
+    that is not a tensor as ``AttributeError: 'list' object has no attribute 'dim'``."""
+    layer = ExpertParallelMoE(4, 8, 6, 2, recipe="fp32")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(gg.InvalidTypeError, match=rf"^{name}="):
+        layer.load_full_state_dict(change(ExpertParallelMoE(4, 8, 6, 2, recipe="fp32").state_dict()))
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
+    _exchange_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    # Done and the group destroyed: skip interpreter teardown, where gloo's threads of a
+    # group still referenced (the layers hold theirs) can abort the process at random
+    # ('terminate called without an active exception', about 1 run in 10 here).
+    os._exit(0)
