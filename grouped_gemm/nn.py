@@ -22,6 +22,8 @@ from grouped_gemm.vocabulary import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
 _PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The recipe key of each parameter dtype's plain recipe (a layer built without a recipe).
+_PLAIN_KEYS = {dtype: recipe_key(plain_recipe_for(dtype_name(dtype))) for dtype in _PARAM_DTYPES}
 
 
 def _positive(name: str, value: Any) -> int:
@@ -86,8 +88,9 @@ class GroupedLinear(torch.nn.Module):
 
     ``recipe`` fixes the number formats (``"bf16"``, ``"fp16"``, ``"fp32"``, or an MX
     recipe, for which ``dtype`` is the master weights' dtype, bf16 by default). Without
-    one, the layer computes in ``dtype`` like ``nn.Linear`` (the plain recipe of that
-    dtype; bf16 when neither is given).
+    one, the layer computes in its parameters' dtype like ``nn.Linear`` (``dtype``, bf16
+    when neither is given), and keeps doing so after ``.to(dtype)``, ``.half()`` or a
+    mixed-precision wrapper casts them.
     ``fuse_wgrad_accumulation``: backward adds the weight gradient into each weight's
     ``main_grad`` (which the caller allocates, as Megatron-LM's DDP does) instead of
     returning it; ``.grad`` then receives Megatron's placeholder or None (see
@@ -118,6 +121,8 @@ class GroupedLinear(torch.nn.Module):
         self.out_features = _positive("out_features", out_features)
         self._recipe = _layer_recipe(recipe, dtype)
         self._recipe_key = recipe_key(self._recipe)
+        # Without a recipe the plain recipe follows the parameters' dtype (module doc).
+        self._follows_dtype = recipe is None
         self.separate_weights = _flag("separate_weights", separate_weights)
         self.fuse_wgrad_accumulation = _flag("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
         self.use_bias = _flag("bias", bias)
@@ -137,8 +142,18 @@ class GroupedLinear(torch.nn.Module):
 
     @property
     def recipe(self) -> Recipe:
-        """The layer's recipe (fixed at construction: parameters were made for it)."""
+        """The layer's recipe: the one it was built with, or (built without one) the plain
+        recipe of its parameters' dtype now."""
+        dtype = self.weights[0].dtype
+        if self._follows_dtype and dtype in _PARAM_DTYPES:
+            return plain_recipe_for(dtype_name(dtype))
         return self._recipe
+
+    def _call_recipe_key(self, weight: torch.Tensor) -> str:
+        """The recipe key a forward passes on (``recipe``, read from ``weight``'s dtype)."""
+        if self._follows_dtype and weight.dtype in _PARAM_DTYPES:
+            return _PLAIN_KEYS[weight.dtype]
+        return self._recipe_key
 
     @property
     def weights(self) -> list[torch.nn.Parameter]:
@@ -274,9 +289,8 @@ class GroupedLinear(torch.nn.Module):
             bias = self.bias if not self.separate_weights else self._stacked_biases()
         weight = self.weights if self.separate_weights else self.weight
         frozen = self._frozen_for(x)
-        return run_grouped_linear(
-            x, weight, m_splits, bias, self._recipe_key, out, self.fuse_wgrad_accumulation, frozen
-        )
+        key = self._call_recipe_key(self.weights[0])
+        return run_grouped_linear(x, weight, m_splits, bias, key, out, self.fuse_wgrad_accumulation, frozen)
 
     def extra_repr(self) -> str:
         dtype = dtype_name(self.weights[0].dtype)

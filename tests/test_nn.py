@@ -79,6 +79,41 @@ def test_recipe_follows_dtype_like_nn_linear(dtype, recipe, gen):
     assert rel_error(y, expected) < {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-6}[recipe]
 
 
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "float"])
+def test_a_layer_without_recipe_follows_a_cast_of_its_parameters(separate, cast, gen):
+    """``model.bfloat16()``, ``.half()``, ``.float()`` (and mixed-precision wrappers, which
+    cast the parameters) keep a layer built without a recipe working, computing in the new
+    dtype, forward and backward; one built with a recipe keeps it and names the mismatch."""
+    layer = gg.GroupedLinear(
+        3, 32, 16, dtype=torch.float32 if cast != "float" else torch.bfloat16, separate_weights=separate
+    )
+    getattr(layer, cast)()
+    dtype = layer.weights[0].dtype
+    assert layer.recipe.name == {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    assert f"recipe={layer.recipe.name}" in repr(layer)
+    splits = [5, 0, 7]
+    x = torch.randn(sum(splits), 32, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(sum(splits), 16, generator=gen).to(dtype)
+    y = layer(x, splits)
+    y.backward(dy)
+    linears = expert_linears(layer)
+    x64 = x.detach().double().requires_grad_()
+    y64 = run_experts(linears, x64, splits)
+    y64.backward(dy.double())
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-6}[dtype]
+    assert y.dtype == dtype and rel_error(y, y64) < tol and rel_error(x.grad, x64.grad) < tol
+    dw = torch.stack([p.grad for p in layer.weights]) if separate else layer.weight.grad
+    assert dw.dtype == dtype and rel_error(dw, torch.stack([lin.weight.grad for lin in linears])) < tol
+
+    fixed = gg.GroupedLinear(3, 32, 16, recipe="fp32", separate_weights=separate)
+    getattr(fixed, cast)()
+    if fixed.weights[0].dtype != torch.float32:
+        assert fixed.recipe.name == "fp32"
+        with pytest.raises(gg.DTypeError, match="recipe fp32"):
+            fixed(x.detach(), splits)
+
+
 def test_init_matches_nn_linear_bounds():
     torch.manual_seed(0)
     layer = gg.GroupedLinear(8, 64, 32, recipe="fp32")
