@@ -99,7 +99,7 @@ class BackendSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_is_identifier(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not _NAME.fullmatch(value):  # not match: its "$" also matches before a final newline
             raise ValueError(
                 f"backend name {value!r} must be lower-case letters, digits and '_', starting with a letter"
             )

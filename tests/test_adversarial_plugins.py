@@ -1,0 +1,19 @@
+"""Adversarial pass over the plugin surface: backend specs and registration, the route
+cache, the padded_bmm plugin's numerics, the compiled backend's cache directory and the
+CLI's bad arguments. Every test here failed before the fix it comes with."""
+
+from __future__ import annotations
+
+import pytest
+
+import grouped_gemm as gg
+
+SPEC = dict(ops={"fwd"}, recipes={"fp32"}, vendors={"cpu"})
+
+
+@pytest.mark.parametrize("name", ["reference\n", "fine\n", "a\n"])
+def test_a_backend_name_with_a_trailing_newline_is_refused(name):
+    # `$` matches before a final newline: "reference\n" registered beside "reference",
+    # printed the same in every table and unreachable from any order (names are stripped).
+    with pytest.raises(ValueError, match="lower-case letters"):
+        gg.BackendSpec(name=name, **SPEC)
