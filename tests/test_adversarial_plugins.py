@@ -17,3 +17,11 @@ def test_a_backend_name_with_a_trailing_newline_is_refused(name):
     # printed the same in every table and unreachable from any order (names are stripped).
     with pytest.raises(ValueError, match="lower-case letters"):
         gg.BackendSpec(name=name, **SPEC)
+
+
+@pytest.mark.parametrize("field", ["ops", "recipes", "vendors"])
+def test_a_spec_that_declares_nothing_is_refused(field):
+    # A backend with no ops / recipes / vendors can never run; list_backends (and
+    # `grouped-gemm backends`) raised IndexError for every user once one was registered.
+    with pytest.raises(ValueError, match=field):
+        gg.BackendSpec(name="nothing", **{**SPEC, field: set()})
