@@ -228,7 +228,7 @@ class Dispatcher:
             else:
                 self._retired.update(_counts(routed))
         inputs = call.inputs
-        name = chosen.spec.name
+        name = routed.decision.selected  # as registered (the backend may have replaced its spec)
         versions = input_versions(inputs) if routed.debug else None
         try:
             if routed.config is None:

@@ -19,14 +19,13 @@ from grouped_gemm.plugins import PluginFailure, collect
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A registered backend and the plugin that registered it."""
+    """A registered backend, the plugin that registered it, and its spec as registered:
+    the registry keys it by that spec's name, so a ``spec`` the backend assigns itself
+    later (another name, say) cannot make it unreachable under the name routing found."""
 
     backend: BackendLike
     plugin: str
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self.backend.spec
+    spec: BackendSpec
 
 
 class Registry:
@@ -70,7 +69,7 @@ class Registry:
                     f"backend name {spec.name!r} from plugin {plugin!r} is already registered "
                     f"by plugin {existing.plugin!r}; backend names must be unique"
                 )
-            self._entries = {**self._entries, spec.name: Entry(backend, plugin)}
+            self._entries = {**self._entries, spec.name: Entry(backend, plugin, spec)}
             self._changed()
         self._notify()
 
