@@ -54,3 +54,30 @@ def test_a_spec_replaced_after_registration_does_not_break_routing(gen):
     finally:
         gg.unregister_backend("renamer")
     assert "renamer" not in [info.name for info in gg.list_backends()]
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize(("dtype", "out_dtype"), [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_padded_bmm_computes_a_mixed_output_dtype_in_fp32(op, dtype, out_dtype, gen):
+    # padded_bmm computed in the input dtype unless the output was fp32: fp16 products
+    # beyond 65504 came back inf in a bf16 output that holds them, and a bf16 -> fp16
+    # result carried bf16's 8-bit rounding (SQNR ~56 dB, under fp16's 60 dB floor).
+    pytest.importorskip("grouped_gemm_padded_bmm", reason="example plugin not installed (plugins/padded_bmm)")
+    from grouped_gemm.testing import output_floor_db, ref_dgrad, ref_fwd, ref_wgrad, sqnr_db
+
+    splits, n, k = [5, 0, 11], 24, 40
+    scale = 200.0 if dtype == torch.float16 else 1.0  # fp16: sums of products past 65504
+    a = (torch.randn(16, n if op != "fwd" else k, generator=gen) * scale).to(dtype)
+    if op == "wgrad":
+        b = (torch.randn(16, k, generator=gen) * scale).to(dtype)
+        expected = ref_wgrad(a, b, splits)
+        call, out = gg.grouped_gemm_wgrad, torch.full((3, n, k), float("nan"), dtype=out_dtype)
+    else:
+        b = (torch.randn(3, n, k, generator=gen) * scale).to(dtype)
+        expected = (ref_fwd if op == "fwd" else ref_dgrad)(a, b, splits)
+        call = gg.grouped_gemm if op == "fwd" else gg.grouped_gemm_dgrad
+        out = torch.full(tuple(expected.shape), float("nan"), dtype=out_dtype)
+    with gg.use_backends("padded_bmm", strict=True):
+        got = call(a, b, splits, out=out)
+    assert got is out
+    assert sqnr_db(got, expected) >= output_floor_db(str(out_dtype).removeprefix("torch."))
