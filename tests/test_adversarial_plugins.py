@@ -81,3 +81,14 @@ def test_padded_bmm_computes_a_mixed_output_dtype_in_fp32(op, dtype, out_dtype, 
         got = call(a, b, splits, out=out)
     assert got is out
     assert sqnr_db(got, expected) >= output_floor_db(str(out_dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize("flag", ["--warmup-ms", "--rep-ms"])
+def test_bench_refuses_an_infinite_time_budget(flag, capsys):
+    # `>= 0` let inf through, and the first block raised OverflowError (int(inf)) from
+    # deep in the timing loop after the ceilings had been measured.
+    from grouped_gemm.cli import main
+
+    assert main(["bench", flag, "inf", "--scale", "0.01", "--no-peer", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag.removeprefix('--')}=inf is invalid" in err and "finite" in err

@@ -7,6 +7,7 @@ result was wrong or a backend raised (the table and JSON are written either way)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -87,9 +88,9 @@ def _plan(args: argparse.Namespace, device: torch.device) -> TimingPlan:
         max_reps=base.max_reps if args.max_reps is None else args.max_reps,
         rounds=base.rounds if args.rounds is None else args.rounds,
     )
-    for name in ("warmup_ms", "rep_ms"):
-        if not getattr(plan, name) >= 0:
-            raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a number >= 0")
+    for name in ("warmup_ms", "rep_ms"):  # inf would be a call count int() cannot hold
+        if not 0 <= getattr(plan, name) < math.inf:
+            raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a finite number >= 0")
     if plan.min_reps < 1 or plan.max_reps < plan.min_reps:
         raise InvalidArgumentError("min-reps/max-reps", (plan.min_reps, plan.max_reps), "1 <= min-reps <= max-reps")
     if plan.rounds < 1:
