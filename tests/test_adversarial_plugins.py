@@ -92,3 +92,32 @@ def test_bench_refuses_an_infinite_time_budget(flag, capsys):
     assert main(["bench", flag, "inf", "--scale", "0.01", "--no-peer", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"{flag.removeprefix('--')}=inf is invalid" in err and "finite" in err
+
+
+def _no_home(cls: type) -> None:
+    raise RuntimeError("Could not determine home directory.")  # pathlib's words, HOME unset and no passwd entry
+
+
+@pytest.mark.parametrize("home", ["~no_such_user_h16b/cache", ""])
+def test_a_cache_directory_whose_home_cannot_be_found_is_a_build_reason(home, monkeypatch, capsys):
+    # pathlib raised RuntimeError for "~user" of no such user (and for no home at all),
+    # outside the build's OSError handler: explain called it a [plugin] bug of hip_mxfp8
+    # and `grouped-gemm backends` died with a traceback in the backend's status().
+    from grouped_gemm import cli
+    from grouped_gemm.backends.hip_mxfp8 import build
+
+    monkeypatch.setenv(build.CACHE_ENV, home)
+    if not home:
+        monkeypatch.delenv("HOME", raising=False)
+        monkeypatch.setattr(build.Path, "home", classmethod(_no_home))
+    build.forget()
+    try:
+        reasons = gg.explain(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024, device="sm_90")
+        found = reasons.candidate("hip_mxfp8").reasons
+        assert [r.code for r in found] == ["build"], found
+        assert "cache directory unusable" in found[0].message and build.CACHE_ENV in found[0].message
+        assert cli.main(["backends", "--arch", "sm_90"]) == 0
+        section = capsys.readouterr().out.split("\nhip_mxfp8 ", 1)[1].split("\n\n", 1)[0]
+        assert "here: unavailable: [build] cache directory unusable" in section
+    finally:
+        build.forget()
