@@ -121,3 +121,29 @@ def test_a_cache_directory_whose_home_cannot_be_found_is_a_build_reason(home, mo
         assert "here: unavailable: [build] cache directory unusable" in section
     finally:
         build.forget()
+
+
+class _BrokenTools(_Zeros):
+    """A backend whose optional CLI hooks (``status``, ``build``) are broken."""
+
+    def status(self) -> str:
+        raise RuntimeError("status exploded")
+
+    def build(self) -> gg.Reason | None:
+        raise RuntimeError("build exploded")
+
+
+def test_a_plugin_with_a_broken_status_or_build_spares_the_cli(register, capsys):
+    # `grouped-gemm backends` and `grouped-gemm build` call a backend's status() / build()
+    # when it has them; one that raised ended either command in a traceback for every
+    # backend, the built-ins included.
+    from grouped_gemm import cli
+
+    register(_BrokenTools("broken_tools", 0))
+    assert cli.main(["backends"]) == 0
+    listing = capsys.readouterr().out
+    section = listing.split("\nbroken_tools ", 1)[1].split("\n\n", 1)[0]
+    assert "status: status() raised RuntimeError: status exploded" in section
+    assert "\nreference " in listing and "\ntorch_grouped_mm " in listing
+    assert cli.main(["build", "broken_tools"]) == 1
+    assert "broken_tools: not built: build() raised RuntimeError: build exploded" in capsys.readouterr().out
