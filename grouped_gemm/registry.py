@@ -38,15 +38,25 @@ class Registry:
         self.epoch = 0
         self.max_m_multiple = 1
         self._loaded = False
+        self._loading = False
         self._listeners: list[Callable[[], None]] = []
 
     def ensure_loaded(self) -> Registry:
-        """Load built-in and entry-point plugins once."""
+        """Load built-in and entry-point plugins once.
+
+        A plugin that uses the registry while it is imported (``gg.register_backend`` at
+        module level) re-enters here on the loading thread: it gets the registry as loaded
+        so far, not a second load that would register every plugin again.
+        """
         if not self._loaded:
             with self._lock:
-                if not self._loaded:
-                    self.failures.extend(collect(self.register))
-                    self._loaded = True
+                if not self._loaded and not self._loading:
+                    self._loading = True
+                    try:
+                        self.failures.extend(collect(self.register))
+                        self._loaded = True
+                    finally:
+                        self._loading = False
         return self
 
     def on_change(self, callback: Callable[[], None]) -> None:

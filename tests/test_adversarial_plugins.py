@@ -4,6 +4,11 @@ CLI's bad arguments. Every test here failed before the fix it comes with."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -147,3 +152,52 @@ def test_a_plugin_with_a_broken_status_or_build_spares_the_cli(register, capsys)
     assert "\nreference " in listing and "\ntorch_grouped_mm " in listing
     assert cli.main(["build", "broken_tools"]) == 1
     assert "broken_tools: not built: build() raised RuntimeError: build exploded" in capsys.readouterr().out
+
+
+EAGER = """
+import torch, grouped_gemm as gg
+
+class Eager(gg.Backend):
+    spec = gg.BackendSpec(name="eager", ops={"fwd"}, recipes={"fp32"}, vendors={"cpu"})
+
+    def run(self, problem, inputs):
+        return torch.zeros(problem.m, problem.n)
+
+gg.register_backend(Eager())  # at import, while grouped_gemm is loading its plugins
+"""
+
+EAGER_PROBE = """
+import json, torch, grouped_gemm as gg
+from grouped_gemm.testing import ref_fwd, rel_error
+x, w = torch.randn(6, 4), torch.randn(2, 3, 4)
+print(json.dumps({
+    "failures": [str(f) for f in gg.plugin_failures()],
+    "names": sorted(b.name for b in gg.list_backends()),
+    "error": rel_error(gg.grouped_gemm(x, w, [2, 4]), ref_fwd(x, w, [2, 4])),
+}))
+"""
+
+
+def test_a_plugin_registering_at_import_does_not_fail_the_builtins(tmp_path):
+    # register_backend at import ran while the registry was loading its plugins: the same
+    # thread re-entered the load and registered every plugin again, so every built-in
+    # backend was reported (and logged with a traceback) as a failed plugin, "already
+    # registered by" itself.
+    (tmp_path / "eager_plugin.py").write_text(EAGER)
+    info = tmp_path / "eager_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: eager-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[grouped_gemm]\neager = eager_plugin\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", EAGER_PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["failures"] == []
+    assert {"eager", "reference", "torch_grouped_mm"} <= set(report["names"])
+    assert report["error"] < 1e-6
