@@ -17,7 +17,7 @@ import threading
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -258,13 +258,18 @@ class Dispatcher:
         generation = self._generation  # a change from here on (configure, ...) leaves it uncached
         problem = call.problem()
         order = call_order(backend)
-        decision, warn = decide(problem, order)
-        if decision.tune_pending and autotune.can_measure(problem):
-            autotune.TUNER.measure(problem, call.inputs, decision)
-            self.clear()  # routes decided before (under capture, say) may use the measurement now
-            generation = self._generation
+        while True:
             decision, warn = decide(problem, order)
-        selected = registry().get(decision.selected).backend if decision.selected else None
+            if decision.tune_pending and autotune.can_measure(problem):
+                autotune.TUNER.measure(problem, call.inputs, decision)
+                self.clear()  # routes decided before (under capture, say) may use the measurement now
+                generation = self._generation
+                decision, warn = decide(problem, order)
+            selected = _registered(decision.selected)
+            # False: the winner was unregistered (another thread) after decide() ranked it;
+            # decide again among the backends there are, rather than fail a call that named none.
+            if selected is not False:
+                break
         chosen = decision.selected or "none"
         routed = _Routed(
             problem,
@@ -348,6 +353,16 @@ class Dispatcher:
             self._live = list(self._cache.values())
             self._retired.clear()
             self._warned.clear()
+
+
+def _registered(name: str | None) -> BackendLike | Literal[False] | None:
+    """The backend registered as ``name`` (None for no name), False if there is none now."""
+    if name is None:
+        return None
+    try:
+        return registry().get(name).backend
+    except UnknownBackendError:
+        return False
 
 
 def _counts(routed: _Routed) -> list[tuple[str, str]]:

@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm.testing import ref_fwd
 
 SPEC = dict(ops={"fwd"}, recipes={"fp32"}, vendors={"cpu"})
 
@@ -201,3 +203,46 @@ def test_a_plugin_registering_at_import_does_not_fail_the_builtins(tmp_path):
     assert report["failures"] == []
     assert {"eager", "reference", "torch_grouped_mm"} <= set(report["names"])
     assert report["error"] < 1e-6
+
+
+class _Slow(_Zeros):
+    """Signals when its check() starts, then waits until released (a race, made certain)."""
+
+    def __init__(self, name: str, priority: int) -> None:
+        super().__init__(name, priority)
+        self.checking, self.release = threading.Event(), threading.Event()
+
+    def check(self, problem: gg.Problem) -> list[gg.Reason]:
+        self.checking.set()
+        self.release.wait(30)
+        return []
+
+
+def test_a_backend_unregistered_while_a_call_decides_does_not_fail_the_call(gen):
+    # decide() ranked a snapshot of the registry, then the route looked the winner up by
+    # name: unregistered in between (another thread), the call raised UnknownBackendError
+    # for backend='doomed', an argument its caller never passed.
+    doomed = _Slow("doomed", 10**6)
+    gg.register_backend(doomed)
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    outcome: list[object] = []
+    caller = threading.Thread(target=lambda: outcome.append(_attempt(gg.grouped_gemm, x, w, [2, 4])))
+    caller.start()
+    try:
+        assert doomed.checking.wait(30)
+        gg.unregister_backend("doomed")
+    finally:
+        doomed.release.set()
+        caller.join(30)
+        if "doomed" in [info.name for info in gg.list_backends()]:
+            gg.unregister_backend("doomed")
+    (result,) = outcome
+    assert isinstance(result, torch.Tensor), result
+    assert torch.allclose(result, ref_fwd(x, w, [2, 4]).float(), atol=1e-5)  # decided again without it
+
+
+def _attempt(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+        return exc
