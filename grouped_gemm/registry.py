@@ -65,6 +65,10 @@ class Registry:
 
     def register(self, backend: object, plugin: str = "code") -> None:
         """Add a backend; its name must be new."""
+        if isinstance(backend, type):  # the class has spec, check and run too; its methods are unbound
+            raise InvalidTypeError(
+                "backend", backend, f"an instance of the backend class: {backend.__name__}(), not the class"
+            )
         spec = getattr(backend, "spec", None)
         if not isinstance(spec, BackendSpec) or not isinstance(backend, BackendLike):
             raise InvalidTypeError(

@@ -246,3 +246,17 @@ def _attempt(fn, *args):
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - the test reports what was raised
         return exc
+
+
+def test_registering_the_backend_class_instead_of_an_instance_is_refused():
+    # A class has `spec`, `check` and `run` too, so it passed the protocol check: it was
+    # registered, and every decision then logged check() "missing 1 required positional
+    # argument" against it instead of the registration saying what was wrong.
+    with pytest.raises(gg.InvalidTypeError, match=r"backend=.*_Class.*an instance") as caught:
+        gg.register_backend(_Class)
+    assert caught.value.argument == "backend"
+    assert "class_registered" not in [info.name for info in gg.list_backends()]
+
+
+class _Class(_Zeros):
+    spec = gg.BackendSpec(name="class_registered", **SPEC)
