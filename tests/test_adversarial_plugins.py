@@ -260,3 +260,28 @@ def test_registering_the_backend_class_instead_of_an_instance_is_refused():
 
 class _Class(_Zeros):
     spec = gg.BackendSpec(name="class_registered", **SPEC)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"arch": None}, "arch"),
+        ({"arch": 90}, "arch"),
+        ({"arch": "sm_90", "multiprocessors": -5}, "multiprocessors"),
+        ({"arch": "sm_90", "multiprocessors": "132"}, "multiprocessors"),
+        ({"arch": "sm_90", "multiprocessors": True}, "multiprocessors"),
+        ({"arch": "sm_90", "name": 7}, "name"),
+    ],
+)
+def test_describing_a_device_with_bad_values_names_the_argument(kwargs, argument):
+    # for_arch called arch.lower() on whatever it got (AttributeError for None or 90) and
+    # kept any multiprocessors value, a described chip with -5 SMs that explain then used.
+    with pytest.raises(gg.InvalidArgumentError) as caught:
+        gg.DeviceInfo.for_arch(**kwargs)
+    assert caught.value.argument == argument
+
+
+def test_describing_a_device_keeps_good_values():
+    info = gg.DeviceInfo.for_arch("SM_90", multiprocessors=66, name="half an H100")
+    assert (info.arch, info.multiprocessors, info.name, info.detected) == ("sm_90", 66, "half an H100", False)
+    assert gg.DeviceInfo.for_arch("gfx950").multiprocessors == 256
