@@ -285,3 +285,22 @@ def test_describing_a_device_keeps_good_values():
     info = gg.DeviceInfo.for_arch("SM_90", multiprocessors=66, name="half an H100")
     assert (info.arch, info.multiprocessors, info.name, info.detected) == ("sm_90", 66, "half an H100", False)
     assert gg.DeviceInfo.for_arch("gfx950").multiprocessors == 256
+
+
+class _ReturnsOutTransposed(gg.Backend):
+    """Writes nothing and returns a transposed view of the caller's ``out``."""
+
+    spec = gg.BackendSpec(name="returns_out_t", **SPEC)
+
+    def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
+        return inputs.out.t()
+
+
+def test_a_result_overlapping_out_is_a_backend_run_error(register, gen):
+    # The core copies a result that is not `out` into `out`; a view of `out` itself made
+    # copy_ raise torch's "refer to a single memory location" RuntimeError, unwrapped: the
+    # caller learnt neither which backend nor that a backend was at fault.
+    register(_ReturnsOutTransposed())
+    x, w = torch.randn(4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
+    with pytest.raises(gg.BackendRunError, match=r"'returns_out_t'.*inputs\.out"):
+        gg.grouped_gemm(x, w, [1, 3], out=torch.empty(4, 4), backend="returns_out_t")
