@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,24 +181,24 @@ print(json.dumps({
 """
 
 
+def _entry_point_plugin(site: Path, module: str, source: str) -> dict[str, str]:
+    """Install ``module`` as a ``grouped_gemm`` entry-point plugin into ``site``; the
+    environment of a Python process that sees it."""
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[grouped_gemm]\n{module} = {module}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
 def test_a_plugin_registering_at_import_does_not_fail_the_builtins(tmp_path):
     # register_backend at import ran while the registry was loading its plugins: the same
     # thread re-entered the load and registered every plugin again, so every built-in
     # backend was reported (and logged with a traceback) as a failed plugin, "already
     # registered by" itself.
-    (tmp_path / "eager_plugin.py").write_text(EAGER)
-    info = tmp_path / "eager_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: eager-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[grouped_gemm]\neager = eager_plugin\n")
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", EAGER_PROBE],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": path},
-        timeout=120,
-    )
+    env = _entry_point_plugin(tmp_path, "eager_plugin", EAGER)
+    done = subprocess.run([sys.executable, "-c", EAGER_PROBE], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["failures"] == []
@@ -304,3 +305,22 @@ def test_a_result_overlapping_out_is_a_backend_run_error(register, gen):
     x, w = torch.randn(4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
     with pytest.raises(gg.BackendRunError, match=r"'returns_out_t'.*inputs\.out"):
         gg.grouped_gemm(x, w, [1, 3], out=torch.empty(4, 4), backend="returns_out_t")
+
+
+def test_a_plugin_that_exits_at_import_does_not_end_the_process(tmp_path):
+    # A plugin module that parses the command line at import (argparse exits on flags it
+    # does not know) or calls sys.exit raised SystemExit out of the first grouped_gemm call,
+    # which `except Exception` let through: the application exited with the plugin's code.
+    env = _entry_point_plugin(tmp_path, "exiting_plugin", "import argparse\nargparse.ArgumentParser().parse_args()\n")
+    done = subprocess.run(
+        [sys.executable, "-c", EAGER_PROBE, "--a-flag-of-the-application"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    (failure,) = report["failures"]
+    assert failure.startswith("exiting_plugin (exiting_plugin) (import): SystemExit: 2")
+    assert report["error"] < 1e-6
