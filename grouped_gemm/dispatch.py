@@ -76,6 +76,16 @@ def check_names(names: tuple[str, ...], reg: Registry, argument: str) -> None:
             raise UnknownBackendError(argument, name, f"registered backends are {', '.join(sorted(known))}")
 
 
+#: Where each level's order was written, for the error naming a backend it no longer finds
+#: (unregistered since): not ``backend=`` for a call that passed none.
+_ORDER_ARGUMENT = {
+    "call": "backend",
+    "scope": "use_backends(order)",
+    "configure": "configure(backends=)",
+    "env": "GROUPED_GEMM_BACKENDS",
+}
+
+
 def _preference(
     problem: Problem, call_order: config.Order | None, reg: Registry
 ) -> tuple[str, tuple[str, ...], bool, bool]:
@@ -93,7 +103,7 @@ def _preference(
     for source, order in levels:
         names = config.order_for(order, problem.recipe)
         if names:
-            check_names(names, reg, "GROUPED_GEMM_BACKENDS" if source == "env" else "backend")
+            check_names(names, reg, _ORDER_ARGUMENT[source])
             return source, names, strict, warn
     return ("autotune" if tune else "priority"), (), strict, warn
 

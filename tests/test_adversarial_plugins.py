@@ -324,3 +324,22 @@ def test_a_plugin_that_exits_at_import_does_not_end_the_process(tmp_path):
     (failure,) = report["failures"]
     assert failure.startswith("exiting_plugin (exiting_plugin) (import): SystemExit: 2")
     assert report["error"] < 1e-6
+
+
+@pytest.mark.parametrize("level", ["configure", "scope"])
+def test_an_order_naming_an_unregistered_backend_names_where_the_order_was_set(level, gen):
+    # The order was checked when it was set, then its backend was unregistered: the next
+    # call's error said backend='gone' although that call passed no backend= at all.
+    gg.register_backend(_Zeros("gone", 0))
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    if level == "configure":
+        gg.configure(backends="gone")
+        scope = gg.use_backends()
+    else:
+        scope = gg.use_backends("gone")
+    with scope:
+        gg.unregister_backend("gone")
+        with pytest.raises(gg.UnknownBackendError) as caught:
+            gg.grouped_gemm(x, w, [2, 4])
+    assert caught.value.argument == ("configure(backends=)" if level == "configure" else "use_backends(order)")
+    assert caught.value.value == "gone"
