@@ -343,3 +343,24 @@ def test_an_order_naming_an_unregistered_backend_names_where_the_order_was_set(l
             gg.grouped_gemm(x, w, [2, 4])
     assert caught.value.argument == ("configure(backends=)" if level == "configure" else "use_backends(order)")
     assert caught.value.value == "gone"
+
+
+class _Chatty(_Zeros):
+    """A check() that answers a string (not a list of Reasons) naming the problem's shape."""
+
+    def check(self, problem: gg.Problem) -> list[gg.Reason]:
+        return f"not ok at M={problem.m} N={problem.n}"  # type: ignore[return-value]
+
+
+def test_a_malformed_check_answer_is_logged_once_however_it_varies(register, gen, caplog, monkeypatch):
+    # The log-once key held the answer's repr: a check() answering a string with the
+    # problem's shape in it logged a new warning (and grew the key set) for every decision.
+    from grouped_gemm import backend_hooks
+
+    monkeypatch.setattr(backend_hooks, "_logged_plugin_bugs", set())
+    register(_Chatty("chatty", 0))
+    with caplog.at_level("WARNING", logger="grouped_gemm"):
+        for n in range(1, 12):
+            decision = gg.explain(torch.randn(5, 4, generator=gen), torch.randn(1, n, 4, generator=gen), [5])
+            assert [r.code for r in decision.candidate("chatty").reasons] == ["plugin"]
+    assert sum("grouped_gemm backend chatty" in r.getMessage() for r in caplog.records) == 1
