@@ -16,6 +16,10 @@ from grouped_gemm.contract import BackendLike, BackendSpec
 from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
 from grouped_gemm.plugins import PluginFailure, collect
 
+#: The methods dispatch calls on a backend (``priority`` and ``prepare`` are optional): one
+#: that is not callable (``priority = 50`` meant as the rank) would be skipped or fail later.
+_HOOKS = ("check", "run", "priority", "prepare")
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -76,6 +80,10 @@ class Registry:
                 backend,
                 "an object with a BackendSpec `spec` and `check(problem)` / `run(problem, inputs)` methods",
             )
+        for hook in _HOOKS:
+            method = getattr(backend, hook, None)
+            if method is not None and not callable(method):
+                raise InvalidTypeError(f"backend.{hook}", method, f"a method {hook}(problem, ...) of the backend")
         with self._lock:
             existing = self._entries.get(spec.name)
             if existing is not None:

@@ -364,3 +364,22 @@ def test_a_malformed_check_answer_is_logged_once_however_it_varies(register, gen
             decision = gg.explain(torch.randn(5, 4, generator=gen), torch.randn(1, n, 4, generator=gen), [5])
             assert [r.code for r in decision.candidate("chatty").reasons] == ["plugin"]
     assert sum("grouped_gemm backend chatty" in r.getMessage() for r in caplog.records) == 1
+
+
+class _PriorityAttribute(_Zeros):
+    priority = 50  # meant as the rank; the hook is a method (or BackendSpec(priority=...))
+
+
+class _RunAttribute(_Zeros):
+    run = "compute the result"
+
+
+@pytest.mark.parametrize(("cls", "hook"), [(_PriorityAttribute, "priority"), (_RunAttribute, "run")])
+def test_a_backend_whose_hook_is_not_callable_is_refused_at_registration(cls, hook):
+    # The protocol check only asks that `check` and `run` exist, and an optional hook that
+    # is not callable was skipped: `priority = 50` was silently ignored (spec.priority
+    # ranked it), and a `run` string registered a backend that failed every call it won.
+    with pytest.raises(gg.InvalidTypeError, match=rf"backend\.{hook}=.*a method") as caught:
+        gg.register_backend(cls("not_callable", 0))
+    assert caught.value.argument == f"backend.{hook}"
+    assert "not_callable" not in [info.name for info in gg.list_backends()]
