@@ -383,3 +383,19 @@ def test_a_backend_whose_hook_is_not_callable_is_refused_at_registration(cls, ho
         gg.register_backend(cls("not_callable", 0))
     assert caught.value.argument == f"backend.{hook}"
     assert "not_callable" not in [info.name for info in gg.list_backends()]
+
+
+@pytest.mark.parametrize("flag", ["--markdown", "--plot"])
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_bench_checks_every_output_path_before_it_runs(flag, where, tmp_path, capsys):
+    # Only --out was checked at the start: an unwritable --markdown or --plot raised
+    # FileNotFoundError / IsADirectoryError as a traceback after the whole sweep had run.
+    from grouped_gemm.cli import main
+
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "table.md" if where == "under_a_file" else tmp_path
+    small = ["--cases", "dsv3_down_ep8", "--scale", "0.01", "--backends", "reference", "--ops", "fwd"]
+    small += ["--splits", "balanced", "--warmup-ms", "0", "--rep-ms", "1", "--min-reps", "1", "--max-reps", "1"]
+    assert main(["bench", flag, str(path), *small, "--no-peer", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag.removeprefix('--')}={str(path)!r} is invalid" in err

@@ -105,22 +105,31 @@ def _backends(value: str) -> str | tuple[str, ...]:
     return tuple(parse_list(value, "backends", known))
 
 
-def _check_out_path(path: Path | None) -> None:
-    """Fail before the run, not after it, when ``--out`` cannot be written."""
+def _check_out_path(path: Path | None, argument: str = "out", make_parent: bool = False) -> None:
+    """Fail before the run, not after it, when an output file cannot be written.
+    ``make_parent``: its directories are made (now rather than after the run) as the
+    writer would make them."""
     if path is None:
         return
     parent = path.resolve().parent
     if path.is_dir():
-        raise InvalidArgumentError("out", str(path), "a file path, not a directory")
+        raise InvalidArgumentError(argument, str(path), "a file path, not a directory")
+    if make_parent:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(argument, str(path), f"a path whose directory can be made ({exc})") from None
     if not parent.is_dir():
-        raise InvalidArgumentError("out", str(path), f"a path in an existing directory; {parent} is not one")
+        raise InvalidArgumentError(argument, str(path), f"a path in an existing directory; {parent} is not one")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InvalidArgumentError("out", str(path), "a writable path")
+        raise InvalidArgumentError(argument, str(path), "a writable path")
 
 
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     _check_out_path(args.out)
+    _check_out_path(args.markdown, "markdown", make_parent=True)
+    _check_out_path(args.plot, "plot", make_parent=True)
     device = torch_device(args.device)
     cpu = device.type == "cpu"
     scale = args.scale if args.scale is not None else (_CPU_SCALE if cpu else 1.0)
