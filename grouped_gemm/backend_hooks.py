@@ -12,14 +12,16 @@ from grouped_gemm.eligibility import declared_reasons
 from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry
 
-#: (backend, what misbehaved, exception type) already logged: a broken plugin is logged
-#: once with its traceback, not on every decision.
+#: (backend, what misbehaved, exception type or kind of malformed answer) already logged: a broken
+#: plugin is logged once with its traceback, not on every decision.
 _logged_plugin_bugs: set[tuple[str, str, str]] = set()
 
 
-def _plugin_bug(name: str, what: str, detail: str, exc: BaseException | None = None) -> Reason:
-    """A misbehaving hook as a reason for that backend alone."""
-    token = (name, what, type(exc).__name__ if exc is not None else detail)
+def _plugin_bug(name: str, what: str, detail: str, exc: BaseException | None = None, kind: str = "") -> Reason:
+    """A misbehaving hook as a reason for that backend alone. Logged once per ``kind`` of
+    mistake (else the exception's type), not per ``detail``: a malformed answer's repr may
+    name the problem, and a key holding it would log (and keep) one more on every decision."""
+    token = (name, what, type(exc).__name__ if exc is not None else kind)
     if token not in _logged_plugin_bugs:
         _logged_plugin_bugs.add(token)
         LOGGER.warning("grouped_gemm backend %s: %s %s", name, what, detail, exc_info=exc)
@@ -30,10 +32,24 @@ def _checked_reasons(name: str, hook: str, answer: Any) -> list[Reason]:
     """A ``check()`` / ``prepare()`` answer as reasons: a list or tuple of ``Reason`` objects,
     else one reason saying what came back instead."""
     if not isinstance(answer, (list, tuple)):
-        return [_plugin_bug(name, hook, f"returned {_short(answer)}, not a list of gg.Reason")]
+        return [
+            _plugin_bug(
+                name,
+                hook,
+                f"returned {_short(answer)}, not a list of gg.Reason",
+                kind=f"answer {type(answer).__name__}",
+            )
+        ]
     bad = [r for r in answer if not isinstance(r, Reason)]
     if bad:
-        return [_plugin_bug(name, hook, f"returned {_short(bad[0])} among its reasons, not a gg.Reason")]
+        return [
+            _plugin_bug(
+                name,
+                hook,
+                f"returned {_short(bad[0])} among its reasons, not a gg.Reason",
+                kind=f"item {type(bad[0]).__name__}",
+            )
+        ]
     return list(answer)
 
 
@@ -56,7 +72,14 @@ def evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
             if isinstance(answer, int) and not isinstance(answer, bool):
                 priority = answer
             else:
-                reasons.append(_plugin_bug(name, "priority()", f"returned {_short(answer)}, not an int"))
+                reasons.append(
+                    _plugin_bug(
+                        name,
+                        "priority()",
+                        f"returned {_short(answer)}, not an int",
+                        kind=f"answer {type(answer).__name__}",
+                    )
+                )
     return tuple(reasons), priority
 
 

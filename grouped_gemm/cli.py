@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grouped_gemm as gg
 from grouped_gemm import check
@@ -65,9 +65,20 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _status(name: str) -> str | None:
-    """A backend's own state line (e.g. a compiled backend's build), if it has a ``status()``."""
+    """A backend's own state line (e.g. a compiled backend's build), if it has a ``status()``;
+    one that raises is reported in its line, not let end the listing of every backend."""
     status = getattr(registry().get(name).backend, "status", None)
-    return status() if callable(status) else None
+    return _hook_answer(status) if callable(status) else None
+
+
+def _hook_answer(hook: Callable[[], object]) -> str | None:
+    """``hook()`` as text (None stays None), or what it raised: a plugin's optional CLI hooks
+    are its own code, and a broken one must not end the command for the other backends."""
+    try:
+        answer = hook()
+    except Exception as exc:  # noqa: BLE001 - reported against that backend
+        return f"{getattr(hook, '__name__', 'hook')}() raised {type(exc).__name__}: {exc}"
+    return None if answer is None else str(answer)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -79,7 +90,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 0
     failed = 0
     for name, build in builders:
-        reason = build()
+        reason = _hook_answer(build)
         failed += reason is not None
         print(f"{name}: not built: {reason}" if reason is not None else f"{name}: {_status(name) or 'built'}")
     return 1 if failed else 0

@@ -76,9 +76,11 @@ class BackendSpec(BaseModel):
     name: str
     version: str = "0"
     description: str = ""
-    ops: frozenset[Literal["fwd", "dgrad", "wgrad"]]
-    recipes: frozenset[str]
-    vendors: frozenset[Literal["cpu", "cuda", "rocm"]]
+    # At least one of each: a backend declaring none could never run, and tools that probe
+    # a backend with its first op and recipe (``list_backends``) would have none to take.
+    ops: frozenset[Literal["fwd", "dgrad", "wgrad"]] = Field(min_length=1)
+    recipes: frozenset[str] = Field(min_length=1)
+    vendors: frozenset[Literal["cpu", "cuda", "rocm"]] = Field(min_length=1)
     archs: tuple[str, ...] = ()
     dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
     out_dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
@@ -99,7 +101,7 @@ class BackendSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name_is_identifier(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not _NAME.fullmatch(value):  # not match: its "$" also matches before a final newline
             raise ValueError(
                 f"backend name {value!r} must be lower-case letters, digits and '_', starting with a letter"
             )

@@ -71,10 +71,17 @@ class DeviceInfo:
 
     @classmethod
     def for_arch(cls, arch: str, *, multiprocessors: int | None = None, name: str | None = None) -> DeviceInfo:
-        """A described device of a known arch, for ``explain`` and for tests."""
-        key = arch.lower()
+        """A described device of a known arch, for ``explain`` and for tests; ``multiprocessors``
+        and ``name`` default to the arch's flagship chip."""
+        key = arch.lower() if isinstance(arch, str) else None
         if key not in _ARCH_TABLE:
             raise InvalidArgumentError("arch", arch, f"known archs are {', '.join(sorted(_ARCH_TABLE))}")
+        if multiprocessors is not None and (
+            not isinstance(multiprocessors, int) or isinstance(multiprocessors, bool) or multiprocessors < 1
+        ):
+            raise InvalidArgumentError("multiprocessors", multiprocessors, "a positive integer (SMs or CUs), or None")
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgumentError("name", name, "a string, or None")
         vendor, units, caps = _ARCH_TABLE[key]
         return cls(
             vendor=vendor,

@@ -17,7 +17,7 @@ import threading
 import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -76,6 +76,16 @@ def check_names(names: tuple[str, ...], reg: Registry, argument: str) -> None:
             raise UnknownBackendError(argument, name, f"registered backends are {', '.join(sorted(known))}")
 
 
+#: Where each level's order was written, for the error naming a backend it no longer finds
+#: (unregistered since): not ``backend=`` for a call that passed none.
+_ORDER_ARGUMENT = {
+    "call": "backend",
+    "scope": "use_backends(order)",
+    "configure": "configure(backends=)",
+    "env": "GROUPED_GEMM_BACKENDS",
+}
+
+
 def _preference(
     problem: Problem, call_order: config.Order | None, reg: Registry
 ) -> tuple[str, tuple[str, ...], bool, bool]:
@@ -93,7 +103,7 @@ def _preference(
     for source, order in levels:
         names = config.order_for(order, problem.recipe)
         if names:
-            check_names(names, reg, "GROUPED_GEMM_BACKENDS" if source == "env" else "backend")
+            check_names(names, reg, _ORDER_ARGUMENT[source])
             return source, names, strict, warn
     return ("autotune" if tune else "priority"), (), strict, warn
 
@@ -228,7 +238,7 @@ class Dispatcher:
             else:
                 self._retired.update(_counts(routed))
         inputs = call.inputs
-        name = chosen.spec.name
+        name = routed.decision.selected  # as registered (the backend may have replaced its spec)
         versions = input_versions(inputs) if routed.debug else None
         try:
             if routed.config is None:
@@ -258,13 +268,18 @@ class Dispatcher:
         generation = self._generation  # a change from here on (configure, ...) leaves it uncached
         problem = call.problem()
         order = call_order(backend)
-        decision, warn = decide(problem, order)
-        if decision.tune_pending and autotune.can_measure(problem):
-            autotune.TUNER.measure(problem, call.inputs, decision)
-            self.clear()  # routes decided before (under capture, say) may use the measurement now
-            generation = self._generation
+        while True:
             decision, warn = decide(problem, order)
-        selected = registry().get(decision.selected).backend if decision.selected else None
+            if decision.tune_pending and autotune.can_measure(problem):
+                autotune.TUNER.measure(problem, call.inputs, decision)
+                self.clear()  # routes decided before (under capture, say) may use the measurement now
+                generation = self._generation
+                decision, warn = decide(problem, order)
+            selected = _registered(decision.selected)
+            # False: the winner was unregistered (another thread) after decide() ranked it;
+            # decide again among the backends there are, rather than fail a call that named none.
+            if selected is not False:
+                break
         chosen = decision.selected or "none"
         routed = _Routed(
             problem,
@@ -348,6 +363,16 @@ class Dispatcher:
             self._live = list(self._cache.values())
             self._retired.clear()
             self._warned.clear()
+
+
+def _registered(name: str | None) -> BackendLike | Literal[False] | None:
+    """The backend registered as ``name`` (None for no name), False if there is none now."""
+    if name is None:
+        return None
+    try:
+        return registry().get(name).backend
+    except UnknownBackendError:
+        return False
 
 
 def _counts(routed: _Routed) -> list[tuple[str, str]]:

@@ -57,6 +57,12 @@ class PluginFailure:
         return f"{self.plugin} ({self.stage}): {self.error}"
 
 
+#: What a plugin's import or hook may raise without ending the process: any Exception, and
+#: SystemExit (a module that parses the command line at import, a stray ``sys.exit``), which
+#: would otherwise exit the application from inside its first grouped_gemm call.
+_PLUGIN_ERRORS = (Exception, SystemExit)
+
+
 def _failure(plugin: str, stage: str, exc: BaseException) -> PluginFailure:
     LOGGER.warning("grouped_gemm plugin %s failed at %s: %s", plugin, stage, exc, exc_info=exc)
     return PluginFailure(
@@ -74,7 +80,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
     for name in DEFAULT_PLUGINS:
         try:
             loaded.append((name, importlib.import_module(name)))
-        except Exception as exc:  # noqa: BLE001 - any import error is reported, not raised
+        except _PLUGIN_ERRORS as exc:  # any import error is reported, not raised
             failures.append(_failure(name, "import", exc))
     if plugin_autoload_disabled():
         return loaded, failures
@@ -82,7 +88,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
         label = f"{ep.name} ({ep.value})"
         try:
             loaded.append((label, ep.load()))
-        except Exception as exc:  # noqa: BLE001 - likewise for third-party plugins
+        except _PLUGIN_ERRORS as exc:  # likewise for third-party plugins
             failures.append(_failure(label, "import", exc))
     return loaded, failures
 
@@ -118,7 +124,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
                 raise TypeError(f"the hook returned {type(returned).__name__}; expected an iterable of backends")
             for backend in returned or ():
                 add(backend)
-        except Exception as exc:  # noqa: BLE001 - a failing hook spares the other plugins
+        except _PLUGIN_ERRORS as exc:  # a failing hook spares the other plugins
             failures.append(_failure(name, "backends", exc))
     return failures
 

@@ -16,17 +16,20 @@ from grouped_gemm.contract import BackendLike, BackendSpec
 from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
 from grouped_gemm.plugins import PluginFailure, collect
 
+#: The methods dispatch calls on a backend (``priority`` and ``prepare`` are optional): one
+#: that is not callable (``priority = 50`` meant as the rank) would be skipped or fail later.
+_HOOKS = ("check", "run", "priority", "prepare")
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A registered backend and the plugin that registered it."""
+    """A registered backend, the plugin that registered it, and its spec as registered:
+    the registry keys it by that spec's name, so a ``spec`` the backend assigns itself
+    later (another name, say) cannot make it unreachable under the name routing found."""
 
     backend: BackendLike
     plugin: str
-
-    @property
-    def spec(self) -> BackendSpec:
-        return self.backend.spec
+    spec: BackendSpec
 
 
 class Registry:
@@ -39,15 +42,25 @@ class Registry:
         self.epoch = 0
         self.max_m_multiple = 1
         self._loaded = False
+        self._loading = False
         self._listeners: list[Callable[[], None]] = []
 
     def ensure_loaded(self) -> Registry:
-        """Load built-in and entry-point plugins once."""
+        """Load built-in and entry-point plugins once.
+
+        A plugin that uses the registry while it is imported (``gg.register_backend`` at
+        module level) re-enters here on the loading thread: it gets the registry as loaded
+        so far, not a second load that would register every plugin again.
+        """
         if not self._loaded:
             with self._lock:
-                if not self._loaded:
-                    self.failures.extend(collect(self.register))
-                    self._loaded = True
+                if not self._loaded and not self._loading:
+                    self._loading = True
+                    try:
+                        self.failures.extend(collect(self.register))
+                        self._loaded = True
+                    finally:
+                        self._loading = False
         return self
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -56,6 +69,10 @@ class Registry:
 
     def register(self, backend: object, plugin: str = "code") -> None:
         """Add a backend; its name must be new."""
+        if isinstance(backend, type):  # the class has spec, check and run too; its methods are unbound
+            raise InvalidTypeError(
+                "backend", backend, f"an instance of the backend class: {backend.__name__}(), not the class"
+            )
         spec = getattr(backend, "spec", None)
         if not isinstance(spec, BackendSpec) or not isinstance(backend, BackendLike):
             raise InvalidTypeError(
@@ -63,6 +80,10 @@ class Registry:
                 backend,
                 "an object with a BackendSpec `spec` and `check(problem)` / `run(problem, inputs)` methods",
             )
+        for hook in _HOOKS:
+            method = getattr(backend, hook, None)
+            if method is not None and not callable(method):
+                raise InvalidTypeError(f"backend.{hook}", method, f"a method {hook}(problem, ...) of the backend")
         with self._lock:
             existing = self._entries.get(spec.name)
             if existing is not None:
@@ -70,7 +91,7 @@ class Registry:
                     f"backend name {spec.name!r} from plugin {plugin!r} is already registered "
                     f"by plugin {existing.plugin!r}; backend names must be unique"
                 )
-            self._entries = {**self._entries, spec.name: Entry(backend, plugin)}
+            self._entries = {**self._entries, spec.name: Entry(backend, plugin, spec)}
             self._changed()
         self._notify()
 

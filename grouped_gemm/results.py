@@ -8,6 +8,7 @@ into ``out=``, a float64 or ``None`` result handed to the caller, and an in-plac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ def checked_result(name: str, problem: Problem, inputs: GroupedInputs, result: A
                 issue = issue or _tensor_problem(item, shape[1:], dtype, device)
         if issue:
             return _raise(name, problem, issue)
-        torch._foreach_copy_(out, items)
+        _copy(name, problem, lambda: torch._foreach_copy_(out, items))
         return out
     issue = _tensor_problem(result, shape, dtype, device, out)
     if issue:
@@ -79,9 +80,20 @@ def checked_result(name: str, problem: Problem, inputs: GroupedInputs, result: A
     if out is not None and result is not out:
         if problem.accumulate:
             return _raise(name, problem, "with accumulate=True, run() must add into inputs.out and return it")
-        out.copy_(result)
+        _copy(name, problem, lambda: out.copy_(result))
         return out
     return result
+
+
+def _copy(name: str, problem: Problem, copy: Callable[[], object]) -> None:
+    """Copy a backend's result into ``out``: what torch refuses (a result that is a
+    partially overlapping view of ``out``) is that backend's BackendRunError."""
+    try:
+        copy()
+    except RuntimeError as exc:
+        _raise(
+            name, problem, f"run() returned a result that cannot be copied into inputs.out ({exc}); return inputs.out"
+        )
 
 
 def _raise(name: str, problem: Problem, message: str) -> Any:

@@ -91,7 +91,10 @@ class HipMxfp8Backend(Backend):
         tried = [str(r) for r in build.all_results()]
         if tried:
             return "; ".join(tried)
-        return f"not built in this process (cache: {build.cache_root()})"
+        try:
+            return f"not built in this process (cache: {build.cache_root()})"
+        except OSError as exc:
+            return f"not built in this process (no cache directory: {exc})"
 
     def build(self) -> Reason | None:
         """Build for this machine's GPU now (``grouped-gemm build``); None when built."""

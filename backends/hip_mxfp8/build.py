@@ -54,9 +54,14 @@ class BuildResult:
 
 
 def cache_root() -> Path:
-    """``$GROUPED_GEMM_CACHE_DIR``, else ``~/.cache/grouped_gemm``."""
+    """``$GROUPED_GEMM_CACHE_DIR``, else ``~/.cache/grouped_gemm``; OSError when the home
+    directory it names cannot be found (``~user`` of no such user, no home at all), which
+    pathlib raises as a RuntimeError that callers handling OSError would miss."""
     configured = os.environ.get(CACHE_ENV, "").strip()
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "grouped_gemm"
+    try:
+        return Path(configured).expanduser() if configured else Path.home() / ".cache" / "grouped_gemm"
+    except RuntimeError as exc:
+        raise OSError(f"{CACHE_ENV}={configured!r}: {exc}" if configured else str(exc)) from None
 
 
 def source_hash() -> str:
@@ -150,9 +155,10 @@ def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any
 
 def attempt(arch: str, vendor: str, compile_fn: Callable[[str, Path], Any] = compile_extension) -> BuildResult:
     """One build attempt under the directory lock; the outcome and its log, never an exception."""
-    directory = build_dir(arch)
     reason = blocker(vendor)
+    directory = None
     try:
+        directory = build_dir(arch)
         with locked(directory):
             log = directory / LOG_NAME
             if reason is not None:
@@ -167,7 +173,8 @@ def attempt(arch: str, vendor: str, compile_fn: Callable[[str, Path], Any] = com
             log.write_text(f"built {module.__file__} for {arch} with torch {torch.__version__}\n")
             return BuildResult(arch, log, module=module)
     except OSError as exc:
-        return BuildResult(arch, directory / LOG_NAME, error=f"cache directory unusable ({exc}); set {CACHE_ENV}")
+        log = directory / LOG_NAME if directory is not None else Path(os.devnull)  # no directory: no log
+        return BuildResult(arch, log, error=f"cache directory unusable ({exc}); set {CACHE_ENV}")
 
 
 _results: dict[str, BuildResult] = {}

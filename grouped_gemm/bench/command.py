@@ -7,6 +7,7 @@ result was wrong or a backend raised (the table and JSON are written either way)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -87,9 +88,9 @@ def _plan(args: argparse.Namespace, device: torch.device) -> TimingPlan:
         max_reps=base.max_reps if args.max_reps is None else args.max_reps,
         rounds=base.rounds if args.rounds is None else args.rounds,
     )
-    for name in ("warmup_ms", "rep_ms"):
-        if not getattr(plan, name) >= 0:
-            raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a number >= 0")
+    for name in ("warmup_ms", "rep_ms"):  # inf would be a call count int() cannot hold
+        if not 0 <= getattr(plan, name) < math.inf:
+            raise InvalidArgumentError(name.replace("_", "-"), getattr(plan, name), "a finite number >= 0")
     if plan.min_reps < 1 or plan.max_reps < plan.min_reps:
         raise InvalidArgumentError("min-reps/max-reps", (plan.min_reps, plan.max_reps), "1 <= min-reps <= max-reps")
     if plan.rounds < 1:
@@ -104,22 +105,31 @@ def _backends(value: str) -> str | tuple[str, ...]:
     return tuple(parse_list(value, "backends", known))
 
 
-def _check_out_path(path: Path | None) -> None:
-    """Fail before the run, not after it, when ``--out`` cannot be written."""
+def _check_out_path(path: Path | None, argument: str = "out", make_parent: bool = False) -> None:
+    """Fail before the run, not after it, when an output file cannot be written.
+    ``make_parent``: its directories are made (now rather than after the run) as the
+    writer would make them."""
     if path is None:
         return
     parent = path.resolve().parent
     if path.is_dir():
-        raise InvalidArgumentError("out", str(path), "a file path, not a directory")
+        raise InvalidArgumentError(argument, str(path), "a file path, not a directory")
+    if make_parent:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(argument, str(path), f"a path whose directory can be made ({exc})") from None
     if not parent.is_dir():
-        raise InvalidArgumentError("out", str(path), f"a path in an existing directory; {parent} is not one")
+        raise InvalidArgumentError(argument, str(path), f"a path in an existing directory; {parent} is not one")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InvalidArgumentError("out", str(path), "a writable path")
+        raise InvalidArgumentError(argument, str(path), "a writable path")
 
 
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     _check_out_path(args.out)
+    _check_out_path(args.markdown, "markdown", make_parent=True)
+    _check_out_path(args.plot, "plot", make_parent=True)
     device = torch_device(args.device)
     cpu = device.type == "cpu"
     scale = args.scale if args.scale is not None else (_CPU_SCALE if cpu else 1.0)

@@ -86,9 +86,10 @@ class PaddedBmmBackend(gg.Backend):
         groups = problem.groups
 
         out_dtype = problem.out_torch_dtype
-        # An fp32 result (e.g. accumulating into an fp32 main_grad) is computed in fp32, so
-        # bf16/fp16 inputs are not rounded to their own precision on the way.
-        compute = torch.float32 if out_dtype == torch.float32 else a.dtype
+        # A result in another dtype than the inputs' (an fp32 main_grad, fp16 from bf16) is
+        # computed in fp32: in the input dtype it would carry that dtype's rounding, or its
+        # range (fp16 sums past 65504 are inf, also in a bf16 output that holds them).
+        compute = a.dtype if out_dtype == a.dtype else torch.float32
 
         def padded(t: torch.Tensor) -> torch.Tensor:
             buf = t.new_zeros(groups * capacity, t.shape[1], dtype=compute)
