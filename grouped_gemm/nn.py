@@ -289,7 +289,7 @@ class GroupedLinear(torch.nn.Module):
             bias = self.bias if not self.separate_weights else self._stacked_biases()
         weight = self.weights if self.separate_weights else self.weight
         frozen = self._frozen_for(x)
-        key = self._call_recipe_key(self.weights[0])
+        key = self._call_recipe_key(weight[0] if self.separate_weights else weight)
         return run_grouped_linear(x, weight, m_splits, bias, key, out, self.fuse_wgrad_accumulation, frozen)
 
     def extra_repr(self) -> str:
