@@ -48,6 +48,7 @@ from grouped_gemm.clock import Clock
 from grouped_gemm.config import LOGGER
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import DeviceInfo
+from grouped_gemm.errors import UnknownBackendError
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.problem import Problem, m_bucket
 from grouped_gemm.registry import Registry, registry
@@ -437,7 +438,13 @@ class Tuner:
 
     @staticmethod
     def _offers_configs(name: str) -> bool:
-        return callable(getattr(registry().get(name).backend, "configs", None))
+        """Whether backend ``name`` offers kernel configs (False once it is unregistered:
+        another thread may do that between a decision and this look)."""
+        try:
+            backend = registry().get(name).backend
+        except UnknownBackendError:
+            return False
+        return callable(getattr(backend, "configs", None))
 
     # --- measuring ----------------------------------------------------------------
 
@@ -504,7 +511,11 @@ class Tuner:
         excluded: list[Timing] = []
         reg = registry()
         for candidate in eligible:
-            entry = reg.get(candidate.name)
+            try:
+                entry = reg.get(candidate.name)
+            except UnknownBackendError:  # unregistered (another thread) since the decision
+                excluded.append(Timing(candidate.name, None, None, 0, "unregistered while tuning"))
+                continue
             backend = entry.backend
             unready = prepared_reasons(entry, problem)
             if unready:  # e.g. its kernels failed to build

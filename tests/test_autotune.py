@@ -96,6 +96,27 @@ def test_fastest_backend_is_chosen_and_reused(only, gen):
     assert gg.dispatch_stats()["autotune"]["tuned"] == 1
 
 
+def test_a_backend_unregistered_before_the_measurement_is_left_out(only, gen, monkeypatch):
+    """Another thread may unregister a backend between the decision that made it a
+    contender and the measurement: it is left out with a note, and the call runs on the
+    others (it raised UnknownBackendError for a name the call never passed)."""
+    gone, kept = TimedBackend("gone", delay=0.0005, priority=100), TimedBackend("kept", delay=0.001)
+    only(gone, kept)
+    measure = autotune.TUNER.measure
+
+    def unregister_first(*args, **kwargs):
+        if "gone" in registry().names():
+            registry().unregister("gone")
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(autotune.TUNER, "measure", unregister_first)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    assert gg.dispatch_stats()["selected"] == {"kept": 1} and gone.runs == 0
+    assert not autotune.TUNER._offers_configs("gone")
+
+
 class _SkewSensitive(TimedBackend):
     """Fast on one kind of split only: ``fast_when_skewed`` says which (skew read from
     ``Problem.max_rows``, the largest group as a power of two)."""
