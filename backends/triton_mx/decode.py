@@ -300,10 +300,20 @@ def e4m3_words_to_bf16_ptx(low, high, scale_bits, FOLD: tl.constexpr):
 
 
 @triton.jit
+def to_fp32(x, INTERP: tl.constexpr):
+    """A 16-bit float tile widened to fp32, exactly. Triton's interpreter (3.9) converts
+    bf16 subnormals wrong (1e-39 -> 4.4e-39, 1e-40 -> 0), so there bf16 widens by a shift
+    of its bits, as ``grouped_gemm.mx.triton_kernels.widen`` does."""
+    if INTERP and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def bf16_dot(a, b, acc, INTERP: tl.constexpr):
     """``tl.dot`` of bf16 (or fp16) tiles into an fp32 accumulator. Triton's interpreter
     multiplies bf16 tiles as their raw 16-bit patterns, so there both are widened to fp32
-    first (the products of 16-bit floats are exact in fp32 either way)."""
+    first (``to_fp32``; the products of 16-bit floats are exact in fp32 either way)."""
     if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(to_fp32(a, INTERP), to_fp32(b, INTERP), acc, input_precision="ieee")
     return tl.dot(a, b, acc)

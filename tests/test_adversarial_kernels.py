@@ -1,0 +1,76 @@
+"""An adversarial numerics pass over the Triton backends in Triton's CPU interpreter.
+
+Edge values the interpreter handles differently from a GPU, on the public API with the
+backend named (strict: no silent fallback), outputs NaN-poisoned first: the result must
+match the float64 product of the operands (plain recipes) or the ``reference`` backend on
+the same quantized operands (MX recipes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import launch
+from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error, sqnr_db
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or not launch.interpreted(), reason="CPU tests run the kernels in Triton's interpreter"
+)
+
+SPLITS = [5, 0, 11]
+N, K = 64, 96
+#: As tests/test_triton_grouped.py: fp32 results of exact 16-bit products.
+FP32_OUT_TOL = 1e-5
+#: As tests/test_triton_mxfp4.py: against ``reference`` on the same quantized operands.
+MIN_SQNR = 60.0
+CALLS = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
+REFS = {"fwd": ref_fwd, "dgrad": ref_dgrad, "wgrad": ref_wgrad}
+BACKENDS = {"bf16": "triton_grouped", "a16w4": "triton_mxfp4", "mxfp4": "triton_mxfp4", "mxfp8": "triton_mxfp8"}
+
+
+@pytest.fixture(autouse=True)
+def _strict():
+    gg.configure(strict=True)
+
+
+def _operands(op, gen, scale_a=1.0, scale_b=1.0):
+    """(a, b) of ``op`` in bf16, each scaled (in fp32, before rounding to bf16)."""
+    m, g = sum(SPLITS), len(SPLITS)
+    shapes = {"fwd": ((m, K), (g, N, K)), "dgrad": ((m, N), (g, N, K)), "wgrad": ((m, N), (m, K))}[op]
+    a, b = (torch.randn(*s, generator=gen) for s in shapes)
+    return (a * scale_a).to(torch.bfloat16), (b * scale_b).to(torch.bfloat16)
+
+
+def _out(op, dtype=torch.float32):
+    m, g = sum(SPLITS), len(SPLITS)
+    return poison(torch.empty({"fwd": (m, N), "dgrad": (m, K), "wgrad": (g, N, K)}[op], dtype=dtype))
+
+
+def _run(recipe, op, a, b, backend, out):
+    return CALLS[op](a, b, SPLITS, recipe=recipe, backend=backend, out=out)
+
+
+# ---- bf16 subnormals: the interpreter's bf16 -> fp32 conversion mis-decodes them --------
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_bf16_subnormal_operands_are_multiplied_exactly(op, operand, gen):
+    """triton_grouped on bf16 subnormals (x 1e-39): the products are exact in fp32 as on a
+    GPU; the interpreter's conversion gave 4.4e-39 for 1e-39 and 0 for 1e-40."""
+    a, b = _operands(op, gen, *((1e-39, 1.0) if operand == "a" else (1.0, 1e-39)))
+    want = REFS[op](a, b, SPLITS)
+    got = _run("bf16", op, a, b, "triton_grouped", _out(op))
+    assert rel_error(got, want) < FP32_OUT_TOL
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_a16w4_subnormal_activations_match_the_reference(op, gen):
+    """a16w4 (bf16 activations, E2M1 weights) on subnormal activations: the same result as
+    ``reference`` (the interpreter's conversion gave SQNR -12 dB)."""
+    a, b = _operands(op, gen, 1e-39)
+    want = _run("a16w4", op, a, b, "reference", _out(op))
+    got = _run("a16w4", op, a, b, "triton_mxfp4", _out(op))
+    assert sqnr_db(got, want) >= MIN_SQNR
