@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32, to_fp32
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
 
@@ -38,9 +38,10 @@ def _unpack_last(packed):
 @triton.jit
 def _mx_values(codes, scale, FMT: tl.constexpr):
     """(R, C) codes of an MX format, packed along the last axis, and their (R, blocks)
-    E8M0 scales -> the (R, K) fp32 values (exact); bf16 / fp16 tiles are just widened."""
+    E8M0 scales -> the (R, K) fp32 values (exact); bf16 / fp16 tiles are just widened
+    (``to_fp32``: this emulation runs in the interpreter only)."""
     if FMT == "bf16" or FMT == "fp16":
-        v = codes.to(tl.float32)
+        v = to_fp32(codes, True)
     else:
         if FMT == "e2m1":
             v = _unpack_last(codes)
