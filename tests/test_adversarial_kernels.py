@@ -77,3 +77,44 @@ def test_a16w4_subnormal_activations_match_the_reference(op, arch, gen):
     with emulated(arch):
         got = _run("a16w4", op, a, b, "triton_mxfp4", _out(op))
     assert sqnr_db(got, want) >= MIN_SQNR
+
+
+# ---- bf16 results: the interpreter's fp32 -> bf16 conversion truncates -------------------
+
+
+@pytest.mark.parametrize(
+    ("recipe", "op", "arch"),
+    [
+        ("bf16", "fwd", "cpu"),
+        ("bf16", "dgrad", "cpu"),
+        ("bf16", "wgrad", "cpu"),
+        ("bf16", "wgrad_accumulate", "cpu"),
+        ("a16w4", "fwd", "cpu"),
+        ("a16w4", "dgrad", "gfx950"),
+        ("mxfp8", "wgrad", "cpu"),
+    ],
+)
+def test_bf16_results_round_to_nearest_even(recipe, op, arch, gen):
+    """A bf16 ``out`` holds the fp32 result rounded to nearest even, as a GPU's conversion
+    and ``reference`` give it: the interpreter's truncated (every result rounded toward
+    zero, 1e-5 -> 9.95e-6). Compared on the bits, at most one ulp apart (summation order)
+    and not biased toward zero."""
+    accumulate = op == "wgrad_accumulate"
+    op = "wgrad" if accumulate else op
+    a, b = _operands(op, gen)
+    start = _out(op).normal_(generator=gen).to(torch.bfloat16) if accumulate else None
+    want = _out(op)
+    if accumulate:
+        want.copy_(start)
+    if recipe == "bf16":
+        want = REFS[op](a, b, SPLITS) + (start.double() if accumulate else 0)
+    else:
+        _run(recipe, op, a, b, "reference", want)
+    out = start.clone() if accumulate else _out(op, torch.bfloat16)
+    with emulated(arch):
+        kwargs = {"accumulate": True} if accumulate else {}
+        got = CALLS[op](a, b, SPLITS, recipe=recipe, backend=BACKENDS[recipe], out=out, **kwargs)
+    rounded = want.to(torch.bfloat16)
+    ulps = (got.view(torch.int16).int() - rounded.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1
+    assert (got == rounded).float().mean() > 0.9

@@ -310,6 +310,19 @@ def to_fp32(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def narrow(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``DTYPE``. Triton's interpreter (3.9) truncates
+    fp32 -> bf16 and flushes or misplaces subnormals, so there bf16 rounds on the bits
+    (NaN kept NaN; a carry into the exponent gives the next binade or infinity, as RNE)."""
+    if INTERP and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def bf16_dot(a, b, acc, INTERP: tl.constexpr):
     """``tl.dot`` of bf16 (or fp16) tiles into an fp32 accumulator. Triton's interpreter
     multiplies bf16 tiles as their raw 16-bit patterns, so there both are widened to fp32

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32, to_fp32
+from grouped_gemm.backends.triton_mx.decode import (
+    e2m1_to_fp32,
+    e4m3_to_fp32,
+    e5m2_to_fp32,
+    e8m0_to_fp32,
+    narrow,
+    to_fp32,
+)
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
 
@@ -158,7 +165,7 @@ def scaled_grouped_kernel(
         tile = (A, rows64, stride_am, AS, stride_asm, w_cols, stride_wk, ws_rows, stride_sk, m_ok, n_ok, k_red)
         acc = contract(_step, acc, 0, k_red, BK, tile, (BK, A_FMT, W_FMT, EVEN_K, INTERP), INTERP)
         out = Out + rows64[:, None] * stride_om + rn[None, :]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out, narrow(acc, Out.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
         t += NUM_PROGS
 
 
