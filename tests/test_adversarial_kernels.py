@@ -33,6 +33,7 @@ BACKENDS = {"bf16": "triton_grouped", "a16w4": "triton_mxfp4", "mxfp4": "triton_
 
 @pytest.fixture(autouse=True)
 def _strict():
+    """A named backend that cannot run raises, rather than falling back to ``reference``."""
     gg.configure(strict=True)
 
 
