@@ -237,9 +237,10 @@ def _check_edge_scales(device, ptx, scale_bytes, gen):
 
 @needs_interpreter
 def test_edge_scale_bytes_decode_exactly(gen):
-    """Bytes 0 and 1 give bf16 subnormals, which Triton 3.6's interpreter rounds wrongly in
-    its own fp32 -> bf16 cast (2^-128 becomes 0); the GPU test covers them."""
-    _check_edge_scales("cpu", False, [2, 3, 127, 252, 253, 254, 255], gen)
+    """Bytes 0 and 1 give bf16 subnormals (the multiplier 2^-127 among them), which the
+    decode takes and rounds on the bits: Triton's own bf16 conversions get them wrong in
+    the interpreter (2^-128 became 0)."""
+    _check_edge_scales("cpu", False, [0, 1, 2, 3, 127, 252, 253, 254, 255], gen)
 
 
 @needs_interpreter
@@ -535,10 +536,9 @@ def _assert_bit_identical(got, want):
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("shape", [(64, 96), (45, 61)], ids=["even", "ragged_padded"])
 def test_dequantize_bit_identical(fmt, axis, shape, gen):
-    """Every code (NaNs, -0, odd and even nibbles) under normal, large (overflowing) and NaN
-    scale bytes; tiles that do not divide the shape. Scale bytes whose products are bf16
-    subnormals are left to the GPU test: the interpreter rounds those wrongly itself."""
-    t = _random_mx(fmt, axis, shape, -shape[axis] % 32, [10, 100, 127, 140, 200, 254, 255], gen)
+    """Every code (NaNs, -0, odd and even nibbles) under small (bf16-subnormal products),
+    normal, large (overflowing) and NaN scale bytes; tiles that do not divide the shape."""
+    t = _random_mx(fmt, axis, shape, -shape[axis] % 32, [0, 1, 5, 10, 100, 127, 140, 200, 254, 255], gen)
     want = t.dequantize(torch.bfloat16)
     for tile in (None, launch.DequantTile(br=32, bc=64, warps=4), launch.DequantTile(br=64, bc=32, warps=2)):
         _assert_bit_identical(launch.dequantize(t, tile=tile), want)
@@ -587,8 +587,7 @@ def test_gpu_dequantize_bit_identical(fmt, axis, shape, gen):
 def _activation(shape, dtype, gen, device="cpu", tiny=False):
     """Random normal rows scaled per 32-block by 2^e (e in [-100, 100]; fp16: [-12, 12]), an
     all-zero block, a block holding NaN, one holding Inf, and -0.0 entries. ``tiny`` adds a
-    block at fp32-subnormal magnitudes (bf16-subnormal results: GPU only, the interpreter
-    rounds those itself)."""
+    block at fp32-subnormal magnitudes (bf16-subnormal results)."""
     rows, cols = shape
     lo, hi = (-12, 12) if dtype == torch.float16 else (-100, 100)
     blocks = -(-cols // 32)
@@ -608,9 +607,10 @@ def _activation(shape, dtype, gen, device="cpu", tiny=False):
 @pytest.mark.parametrize("shape", [(40, 96), (9, 61)], ids=["even", "ragged"])
 def test_quantize_decode_equals_quantize_then_decode(fmt, shape, gen):
     """Bit for bit the two-pass result (torch quantizer, then the MXTensor decode), for every
-    input dtype and scale rule, with tiles that do not divide the shape."""
+    input dtype and scale rule, with tiles that do not divide the shape; bf16-subnormal
+    results included (fp16 has no such magnitudes)."""
     for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.float16, "even")):
-        x = _activation(shape, dtype, gen)
+        x = _activation(shape, dtype, gen, tiny=dtype != torch.float16)
         want = quantize_mx(x, fmt, axis=-1, scale_rule=rule, pad=True).dequantize(torch.bfloat16)
         for tile in (None, launch.DequantTile(br=16, bc=64, warps=2)):
             _assert_bit_identical(launch.quantize_decode(x, fmt, rule, tile=tile), want)

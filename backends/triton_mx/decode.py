@@ -48,6 +48,29 @@ TWO_POW_MINUS_120 = tl.constexpr(7.52316384526264e-37)
 
 
 @triton.jit
+def to_fp32(x, INTERP: tl.constexpr):
+    """A 16-bit float tile widened to fp32, exactly. Triton's interpreter (3.9) converts
+    bf16 subnormals wrong (1e-39 -> 4.4e-39, 1e-40 -> 0), so there bf16 widens by a shift
+    of its bits, as ``grouped_gemm.mx.triton_kernels.widen`` does."""
+    if INTERP and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def narrow(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``DTYPE``. Triton's interpreter (3.9) truncates
+    fp32 -> bf16 and flushes or misplaces subnormals, so there bf16 rounds on the bits
+    (NaN kept NaN; a carry into the exponent gives the next binade or infinity, as RNE)."""
+    if INTERP and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def e8m0_to_fp32(e):
     """E8M0 bytes -> fp32 2^(e - 127); byte 0 is 2^-127 (an fp32 subnormal), 0xFF is NaN."""
     e = e.to(tl.uint32)
@@ -160,10 +183,19 @@ def e2m1_patterns(words):
 
 
 @triton.jit
+def _scale_factor(scale_bits):
+    """The fp32 value of the bf16 multiplier in the low half of ``scale_bits``, by a shift:
+    exact for the subnormal 2^-127 (scale byte 0) too, which Triton's interpreter converts
+    wrong from bf16."""
+    return ((scale_bits & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _lane_to_bf16(lane_bits, factor):
     """A lane's pattern, placed in the top half of an fp32 (where bf16 bits sit), -> its
-    value times ``factor`` as bf16: pattern * 2^126 is the E2M1 value, exact in fp32."""
-    return (lane_bits.to(tl.float32, bitcast=True) * TWO_POW_126 * factor).to(tl.bfloat16)
+    value times ``factor`` as bf16: pattern * 2^126 is the E2M1 value, exact in fp32;
+    rounded on the bits (``narrow``), as ``mul.rn.bf16x2`` rounds, subnormals included."""
+    return narrow(lane_bits.to(tl.float32, bitcast=True) * TWO_POW_126 * factor, tl.bfloat16, True)
 
 
 @triton.jit
@@ -171,7 +203,7 @@ def e2m1_words_to_bf16(words, scale_bits, FOLD: tl.constexpr):
     """int32 words of eight E2M1 codes (``E2M1_PIECES``) -> eight bf16 tensors, output
     ``p + 4h`` the element (p, h), each value times its word's scale. ``scale_bits`` is
     ``e8m0_to_bf16x2(scale bytes, FOLD)``. Portable version."""
-    factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    factor = _scale_factor(scale_bits)
     if FOLD:
         factor = factor * 1.1754943508222875e-38  # 2^-126: _lane_to_bf16 already includes 2^126
     p0, p1, p2, p3 = e2m1_patterns(words)
@@ -231,7 +263,7 @@ def e2m1_words_to_bf16_ptx(words, scale_bits, FOLD: tl.constexpr):
 
 @triton.jit
 def _byte_to_bf16(word, i: tl.constexpr, factor):
-    return (e4m3_to_fp32((word >> (8 * i)) & 0xFF) * factor).to(tl.bfloat16)
+    return narrow(e4m3_to_fp32((word >> (8 * i)) & 0xFF) * factor, tl.bfloat16, True)
 
 
 @triton.jit
@@ -241,7 +273,7 @@ def e4m3_words_to_bf16(low, high, scale_bits, FOLD: tl.constexpr):
     byte ``2 (j % 2) + h`` of ``low`` (j < 2) or ``high`` (``layouts_e4m3`` stores element
     pair (k, k + 1) so). ``scale_bits`` is ``e8m0_to_bf16x2(scale bytes, FOLD, 120)``.
     Portable version."""
-    factor = (scale_bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    factor = _scale_factor(scale_bits)
     if FOLD:
         factor = factor * TWO_POW_MINUS_120  # 2^(e - 7) -> 2^(e - 127), exact in fp32
     lo = low.to(tl.uint32, bitcast=True)
@@ -303,7 +335,7 @@ def e4m3_words_to_bf16_ptx(low, high, scale_bits, FOLD: tl.constexpr):
 def bf16_dot(a, b, acc, INTERP: tl.constexpr):
     """``tl.dot`` of bf16 (or fp16) tiles into an fp32 accumulator. Triton's interpreter
     multiplies bf16 tiles as their raw 16-bit patterns, so there both are widened to fp32
-    first (the products of 16-bit floats are exact in fp32 either way)."""
+    first (``to_fp32``; the products of 16-bit floats are exact in fp32 either way)."""
     if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(to_fp32(a, INTERP), to_fp32(b, INTERP), acc, input_precision="ieee")
     return tl.dot(a, b, acc)

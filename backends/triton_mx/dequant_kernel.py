@@ -35,7 +35,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32, narrow
 from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
 
 
@@ -73,6 +73,7 @@ def dequant_kernel(
     HW_E4M3: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Decode the (BR, BC) tile of a 2-D MX tensor blocked along ``AXIS`` (E2M1 packed
     along it) into ``Out`` (rows x cols, the logical shape). Along ``AXIS`` the tile spans
@@ -112,7 +113,7 @@ def dequant_kernel(
     values = _decode(codes, FMT, HW_E4M3) * e8m0_to_fp32(scale)
     ok = (r < rows)[:, None, None] & (cv < cols)[None, :, :]
     out = Out + r64 * stride_o + cv[None, :, :]
-    tl.store(out, values.to(Out.dtype.element_ty), mask=ok)
+    tl.store(out, narrow(values, Out.dtype.element_ty, INTERP), mask=ok)
 
 
 @triton.jit
@@ -137,6 +138,7 @@ def quantize_decode_kernel(
     NBITS: tl.constexpr,
     BF16_BITS: tl.constexpr,
     NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """The (BR, BC) tile of a 2-D high-precision tensor, quantized per 32-block of its last
     axis (``BC`` a multiple of 32; columns past ``cols`` read as zeros, as the quantizer
@@ -155,7 +157,7 @@ def quantize_decode_kernel(
     code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     scale = e8m0_to_fp32(scale_bytes)
     values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
-    tl.store(Out + r64 * stride_o + c, values.to(Out.dtype.element_ty), mask=row_ok & (c < cols))
+    tl.store(Out + r64 * stride_o + c, narrow(values, Out.dtype.element_ty, INTERP), mask=row_ok & (c < cols))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
-from grouped_gemm.backends.triton_mx.decode import bf16_dot
+from grouped_gemm.backends.triton_mx.decode import bf16_dot, narrow
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
 
 
@@ -131,5 +131,5 @@ def grouped_kernel(
             tile = (a_rows, w_cols, stride_wc, m_ok, n_ok, k_red)
             acc = contract(_step, acc, 0, k_red, BK, tile, (BK, EVEN_K, INTERP), INTERP)
         out = Out + (start + rm).to(tl.int64)[:, None] * stride_om + rn[None, :]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out, narrow(acc, Out.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
         t += NUM_PROGS

@@ -620,7 +620,9 @@ def _quantize_decode_plan(
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
     src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
     quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
-    return tile, Constexprs(FMT=fmt, HW_E4M3=hw_e4m3, BR=tile.br, BC=tile.bc, num_warps=tile.warps, **quantizer)
+    return tile, Constexprs(
+        FMT=fmt, HW_E4M3=hw_e4m3, BR=tile.br, BC=tile.bc, INTERP=interp, num_warps=tile.warps, **quantizer
+    )
 
 
 def vendor_wgrad_runs(problem: Problem) -> bool:
@@ -674,6 +676,7 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTi
             HW_E4M3=ptx_decode(t.device),
             BR=tile.br,
             BC=tile.bc,
+            INTERP=interpreted(),
             num_warps=tile.warps,
         )
     return out

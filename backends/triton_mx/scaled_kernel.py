@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
-from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32
+from grouped_gemm.backends.triton_mx.decode import (
+    e2m1_to_fp32,
+    e4m3_to_fp32,
+    e5m2_to_fp32,
+    e8m0_to_fp32,
+    narrow,
+    to_fp32,
+)
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate
 
 
@@ -38,9 +45,10 @@ def _unpack_last(packed):
 @triton.jit
 def _mx_values(codes, scale, FMT: tl.constexpr):
     """(R, C) codes of an MX format, packed along the last axis, and their (R, blocks)
-    E8M0 scales -> the (R, K) fp32 values (exact); bf16 / fp16 tiles are just widened."""
+    E8M0 scales -> the (R, K) fp32 values (exact); bf16 / fp16 tiles are just widened
+    (``to_fp32``: this emulation runs in the interpreter only)."""
     if FMT == "bf16" or FMT == "fp16":
-        v = codes.to(tl.float32)
+        v = to_fp32(codes, True)
     else:
         if FMT == "e2m1":
             v = _unpack_last(codes)
@@ -157,7 +165,7 @@ def scaled_grouped_kernel(
         tile = (A, rows64, stride_am, AS, stride_asm, w_cols, stride_wk, ws_rows, stride_sk, m_ok, n_ok, k_red)
         acc = contract(_step, acc, 0, k_red, BK, tile, (BK, A_FMT, W_FMT, EVEN_K, INTERP), INTERP)
         out = Out + rows64[:, None] * stride_om + rn[None, :]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out, narrow(acc, Out.dtype.element_ty, INTERP), mask=m_ok[:, None] & n_ok[None, :])
         t += NUM_PROGS
 
 

@@ -32,6 +32,7 @@ from grouped_gemm.backends.triton_mx.decode import (
     e4m3_words_to_bf16,
     e4m3_words_to_bf16_ptx,
     e8m0_to_bf16x2,
+    narrow,
 )
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
 from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
@@ -182,7 +183,7 @@ def _tile(
     tile = (a_src, start + row0, w_rows, stride_wr, s_rows, stride_sk, m_ok, n_ok, k_red)
     acc = contract(_step, acc, 0, k_red, BK, tile, config, INTERP)
     out = Out + (start + rm).to(tl.int64)[None, :] * stride_om + rn[:, None]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    tl.store(out, narrow(acc, Out.dtype.element_ty, INTERP), mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit

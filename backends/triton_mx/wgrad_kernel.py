@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.contraction import contract
-from grouped_gemm.backends.triton_mx.decode import bf16_dot
+from grouped_gemm.backends.triton_mx.decode import bf16_dot, narrow, to_fp32
 from grouped_gemm.backends.triton_mx.scaled_kernel import emulated_dot_scaled
 
 
@@ -122,6 +122,6 @@ def wgrad_grouped_kernel(
             # A full-tile comparison: Triton 3.9's interpreter rejects a mask built from
             # a block mask and a scalar comparison ("mask has unsupported dtype").
             mask = mask & ((tl.zeros((BN, BK), dtype=tl.int32) + last) > first)
-            acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+            acc += to_fp32(tl.load(out, mask=mask, other=0.0), INTERP)
+        tl.store(out, narrow(acc, Out.dtype.element_ty, INTERP), mask=mask)
         t += NUM_PROGS
