@@ -35,12 +35,21 @@ import torch
 
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
-from grouped_gemm.linear import ApiGemms, Splits, Weights, forward_gemm, linear_backward, split_args, weight_operand
+from grouped_gemm.linear import (
+    ApiGemms,
+    Splits,
+    Weights,
+    check_layer_bias,
+    forward_gemm,
+    linear_backward,
+    split_args,
+    weight_operand,
+)
 from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipe_codec import op_recipe, recipe_from_key
 from grouped_gemm.recipes import Recipe
-from grouped_gemm.validation import check_bias, snapshot_splits
+from grouped_gemm.validation import snapshot_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +183,7 @@ def run_grouped_linear(
         raise InvalidTypeError("fuse_wgrad_accumulation", fuse_wgrad_accumulation, "True or False")
     m_splits = snapshot_splits(m_splits)
     if bias is not None and weights and isinstance(weights[0], torch.Tensor) and isinstance(x, torch.Tensor):
-        w0 = weights[0]
-        check_bias(bias, w0.shape[0] if w0.dim() == 3 else len(weights), w0.shape[-2], x)
+        check_layer_bias(bias, weights, x)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
     # Only a forward that will produce weight gradients needs the main_grad buffers (an

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.linear import bias_grad, forward_gemm, linear_backward, splits_from_args, weight_grads, weight_operand
+from grouped_gemm.linear import (
+    bias_grad,
+    check_layer_bias,
+    forward_gemm,
+    linear_backward,
+    splits_from_args,
+    weight_grads,
+    weight_operand,
+)
 from grouped_gemm.main_grad import accumulate_wgrad, check_no_aliasing
 from grouped_gemm.recipe_codec import recipe_from_key
 from grouped_gemm.validation import check_tensor, group_count, splits_operand
@@ -33,6 +41,8 @@ def _fwd_impl(
 ) -> torch.Tensor:
     if main_grad is not None:
         check_no_aliasing(w, main_grad)  # here at run time: a compiled graph cannot read pointers
+    if bias is not None:
+        check_layer_bias(bias, w, x)
     return forward_gemm(x, weight_operand(w), bias, splits_from_args(splits, splits_tensor), recipe_from_key(recipe))
 
 

@@ -23,7 +23,7 @@ from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.main_grad import accumulate_wgrad
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipes import Recipe
-from grouped_gemm.validation import check_bias, group_count
+from grouped_gemm.validation import check_bias
 
 Splits = list[int] | torch.Tensor | GroupOffsets
 Weights = torch.Tensor | list[torch.Tensor]
@@ -114,10 +114,15 @@ def forward_gemm(
     """``y[rows of g] = x[rows of g] @ w[g].T (+ bias[g])`` through the dispatcher."""
     y = api.grouped_gemm(x, w, m_splits, recipe=recipe, out=out)
     if bias is not None:
-        # The GEMM checked the splits against w; a bias of another shape would broadcast.
-        check_bias(bias, group_count(m_splits), y.shape[1], x)
         add_group_bias_(y, bias, m_splits)
     return y
+
+
+def check_layer_bias(bias: Any, weights: Sequence[torch.Tensor], x: torch.Tensor) -> None:
+    """``check_bias`` against the layer's G and N (one ``(G, N, K)`` weight or G ``(N, K)``
+    ones), before any GEMM runs: ``add_group_bias_`` would broadcast a ``(G, 1)`` bias."""
+    w0 = weights[0]
+    check_bias(bias, w0.shape[0] if w0.dim() == 3 else len(weights), w0.shape[-2], x)
 
 
 class BackwardGemms(Protocol):
