@@ -16,7 +16,7 @@ import torch
 from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
-from grouped_gemm.recipe_codec import recipe_key
+from grouped_gemm.recipe_codec import recipe_from_key, recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.vocabulary import dtype_name
 
@@ -143,11 +143,9 @@ class GroupedLinear(torch.nn.Module):
     @property
     def recipe(self) -> Recipe:
         """The layer's recipe: the one it was built with, or (built without one) the plain
-        recipe of its parameters' dtype now."""
-        dtype = self.weights[0].dtype
-        if self._follows_dtype and dtype in _PARAM_DTYPES:
-            return plain_recipe_for(dtype_name(dtype))
-        return self._recipe
+        recipe of its parameters' dtype now (what a forward passes on)."""
+        key = self._call_recipe_key(self.weights[0])
+        return self._recipe if key == self._recipe_key else recipe_from_key(key)
 
     def _call_recipe_key(self, weight: torch.Tensor) -> str:
         """The recipe key a forward passes on (``recipe``, read from ``weight``'s dtype)."""
