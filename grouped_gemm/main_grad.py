@@ -16,7 +16,7 @@ import torch
 from grouped_gemm import api
 from grouped_gemm.errors import DTypeError, InvalidArgumentError
 from grouped_gemm.recipes import Recipe
-from grouped_gemm.validation import _span
+from grouped_gemm.validation import Region, first_overlap
 
 _placeholders: dict[tuple, torch.Tensor] = {}
 _BUF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,34 +45,22 @@ def fused_grad_placeholder(param: torch.Tensor) -> torch.Tensor | None:
 
 def check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor]) -> None:
     """InvalidArgumentError naming the ``main_grad`` that overlaps a weight (wgrad would add
-    into the weight) or another ``main_grad`` (two experts' gradients would add into one).
-
-    One sweep over the byte ranges sorted by start: a range that starts before the
-    furthest end so far overlaps the range reaching it, and the first overlap involving a
-    buffer is always found this way (weights may overlap each other)."""
+    into the weight) or another ``main_grad`` (two experts' gradients would add into one);
+    weights may overlap each other."""
     names = ["weight"] if len(weights) == 1 else [f"weight{i}" for i in range(len(weights))]
     buf_names = [f"{name}.main_grad" for name in names]
     if len(bufs) != len(weights):  # the fwd op also takes G buffers for one stacked weight
         buf_names = [f"main_grad[{i}]" for i in range(len(bufs))]
-    # (span, name, tensor, is a buffer)
-    ranges = [(_span(w), name, w, False) for name, w in zip(names, weights, strict=True)]
-    ranges += [(_span(buf), name, buf, True) for name, buf in zip(buf_names, bufs, strict=True)]
-    ranges = sorted((r for r in ranges if r[0] is not None), key=lambda r: r[0][:2])
-    furthest = None
-    for current in ranges:
-        span = current[0]
-        if furthest is None or furthest[0][0] != span[0]:
-            furthest = current
-            continue
-        if span[1] < furthest[0][2] and (current[3] or furthest[3]):
-            buf, other = (current, furthest) if current[3] else (furthest, current)
-            raise InvalidArgumentError(
-                buf[1],
-                buf[2],
-                f"a buffer that shares no memory with the weights or other main_grads; it overlaps {other[1]}",
-            )
-        if span[2] > furthest[0][2]:
-            furthest = current
+    regions = [Region(name, w, False) for name, w in zip(names, weights, strict=True)]
+    regions += [Region(name, buf, True) for name, buf in zip(buf_names, bufs, strict=True)]
+    found = first_overlap(regions)
+    if found is not None:
+        buf, other = found
+        raise InvalidArgumentError(
+            buf.name,
+            buf.tensor,
+            f"a buffer that shares no memory with the weights or other main_grads; it overlaps {other.name}",
+        )
 
 
 def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

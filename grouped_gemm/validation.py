@@ -20,7 +20,6 @@ own section below. Each op needs MX operands blocked along its contraction dimen
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -556,6 +555,14 @@ def out_dtype_name(out_dtype: torch.dtype | None, out: Any, default: torch.dtype
     return dtype_name(out_dtype or default)
 
 
+class Region(NamedTuple):
+    """A tensor's memory in an overlap check; ``written`` marks a buffer written in place."""
+
+    name: str
+    tensor: torch.Tensor
+    written: bool
+
+
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(storage, first byte, end byte) a tensor can touch; None when it has no elements."""
     if t.numel() == 0:
@@ -565,27 +572,44 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     return t.untyped_storage().data_ptr(), start, start + (extent + 1) * t.element_size()
 
 
+def first_overlap(regions: Sequence[Region]) -> tuple[Region, Region] | None:
+    """(a written region, one it shares memory with), or None; regions that are only read
+    may overlap each other. One sweep over byte ranges sorted by start: a range starting
+    before the furthest end so far overlaps the range reaching it, and the first overlap of
+    a written region is always found so (it starts inside the furthest range, or a later
+    range starts inside it while it is the furthest)."""
+    spans = [(span, region) for region in regions if (span := _span(region.tensor)) is not None]
+    spans.sort(key=lambda item: item[0][:2])
+    furthest: tuple[tuple[int, int, int], Region] | None = None
+    for span, region in spans:
+        if furthest is None or furthest[0][0] != span[0]:
+            furthest = span, region
+            continue
+        if span[1] < furthest[0][2] and (region.written or furthest[1].written):
+            return (region, furthest[1]) if region.written else (furthest[1], region)
+        if span[2] > furthest[0][2]:
+            furthest = span, region
+    return None
+
+
 def check_no_overlap(outs: Sequence[torch.Tensor], operands: tuple) -> None:
     """InvalidArgumentError naming ``out`` when an output buffer shares memory with an
     input (the kernel would read what it already overwrote) or with another output
     buffer (``out=[buf] * G``: the groups would overwrite each other)."""
-    out_spans = [(i, _span(o)) for i, o in enumerate(outs)]
-    out_spans = sorted(((sp, i) for i, sp in out_spans if sp is not None), key=lambda item: item[0])
-    for (a, i), (b, j) in itertools.pairwise(out_spans):
-        if a[0] == b[0] and b[1] < a[2]:
-            raise InvalidArgumentError(
-                "out", outs[j], f"G distinct buffers; out[{i}] and out[{j}] share memory (e.g. out=[buf] * G)"
-            )
-    if not operands:
+    names = [f"out[{i}]" if len(outs) > 1 else "out" for i in range(len(outs))]
+    regions = [Region(name, o, True) for name, o in zip(names, outs, strict=True)]
+    regions += [Region(name, t, False) for name, operand in operands for t in operand_tensors(operand)]
+    found = first_overlap(regions)
+    if found is None:
         return
-    inputs = [(name, sp) for name, t in operands for sp in map(_span, operand_tensors(t)) if sp is not None]
-    for span, i in out_spans:
-        for name, other in inputs:
-            if span[0] == other[0] and span[1] < other[2] and other[1] < span[2]:
-                where = f"out[{i}]" if len(outs) > 1 else "out"
-                raise InvalidArgumentError(
-                    "out", outs[i], f"a buffer that shares no memory with the input {name}; {where} overlaps it"
-                )
+    out, other = found
+    if other.written:
+        raise InvalidArgumentError(
+            "out", out.tensor, f"G distinct buffers; {other.name} and {out.name} share memory (e.g. out=[buf] * G)"
+        )
+    raise InvalidArgumentError(
+        "out", out.tensor, f"a buffer that shares no memory with the input {other.name}; {out.name} overlaps it"
+    )
 
 
 def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
