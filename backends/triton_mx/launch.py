@@ -189,6 +189,12 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
             # 2.27x for the 32-row tile alone (one run), skewed 1.95-2.05x against 1.92x (two);
             # at four stages, 2.34x and 1.95-1.98x.
             config = dataclasses.replace(config, stages=3)
+        elif config.bm == 128:
+            # 65-160 rows a group (gpt-oss gate-up), kernel alone on the H200 (2026-12-05,
+            # tile_sweep, docs/performance.md "The twelfth session"): two programs a SM
+            # 1.04-1.12x one program, balanced and skewed, fwd and dgrad. They do not both
+            # fit the register file; the second starts as an SM frees up.
+            config = dataclasses.replace(config, per_sm=2)
     return config
 
 
