@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from subprocess_env import with_import_path
 
 import grouped_gemm as gg
 from grouped_gemm.config import read_env
@@ -658,7 +659,7 @@ def hostile_report(tmp_path_factory) -> dict[str, bool]:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hostile-plugins\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[grouped_gemm]\n" + "".join(f"{n} = {n}\n" for n in HOSTILE))
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = with_import_path(site)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

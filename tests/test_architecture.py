@@ -7,11 +7,12 @@ the check runs on a copy laid out as a wheel installs it.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from subprocess_env import with_import_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ def test_import_contracts_hold(tmp_path):
     skip = shutil.ignore_patterns("__pycache__", "csrc")
     shutil.copytree(ROOT / "grouped_gemm", tmp_path / "grouped_gemm", ignore=skip)
     shutil.copytree(ROOT / "backends", tmp_path / "grouped_gemm" / "backends", ignore=skip)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = with_import_path(tmp_path)
     run = subprocess.run(
         [
             sys.executable,

@@ -7,7 +7,6 @@ distributions run in a subprocess with a temporary site directory on PYTHONPATH.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_env import with_import_path
 
 import grouped_gemm as gg
 from grouped_gemm.testing import ref_fwd, rel_error
@@ -30,7 +30,7 @@ def _dist(site: Path, name: str, module_source: str, entry: str) -> None:
 
 
 def _run(site: Path, code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(site), **env}
+    environ = with_import_path(site, **env)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environ, timeout=120
     )

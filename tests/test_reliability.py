@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from subprocess_env import with_import_path
 
 import grouped_gemm as gg
 from grouped_gemm import dispatch
@@ -31,7 +32,7 @@ def _dist(site: Path, name: str, source: str) -> None:
 
 
 def _python(site: Path, code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(site), **env}
+    environ = with_import_path(site, **env)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environ, timeout=120
     )
