@@ -15,7 +15,6 @@ import random
 import re
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from subprocess_env import with_import_path
+from plugin_site import install_plugin, with_import_path
 
 import grouped_gemm as gg
 from grouped_gemm.config import read_env
@@ -653,12 +652,7 @@ PROBE_KEYS = [
 @pytest.fixture(scope="module")
 def hostile_report(tmp_path_factory) -> dict[str, bool]:
     site = tmp_path_factory.mktemp("site")
-    for name, source in HOSTILE.items():
-        (site / f"{name}.py").write_text(textwrap.dedent(source))
-    info = site / "hostile_plugins-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hostile-plugins\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[grouped_gemm]\n" + "".join(f"{n} = {n}\n" for n in HOSTILE))
+    install_plugin(site, "hostile-plugins", HOSTILE)
     env = with_import_path(site)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import with_import_path
+from plugin_site import install_plugin, with_import_path
 
 import grouped_gemm as gg
 from grouped_gemm.testing import ref_fwd
@@ -189,11 +189,7 @@ print(json.dumps({
 def _entry_point_plugin(site: Path, module: str, source: str) -> dict[str, str]:
     """Install ``module`` as a ``grouped_gemm`` entry-point plugin into ``site``; the
     environment of a Python process that sees it."""
-    (site / f"{module}.py").write_text(source)
-    info = site / f"{module}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[grouped_gemm]\n{module} = {module}\n")
+    install_plugin(site, module, {module: source})
     return with_import_path(site)
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from subprocess_env import with_import_path
+from plugin_site import with_import_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

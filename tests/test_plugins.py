@@ -7,34 +7,14 @@ distributions run in a subprocess with a temporary site directory on PYTHONPATH.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from subprocess_env import with_import_path
+from plugin_site import install_plugin, run_python
 
 import grouped_gemm as gg
 from grouped_gemm.testing import ref_fwd, rel_error
-
-
-def _dist(site: Path, name: str, module_source: str, entry: str) -> None:
-    """Install a one-module distribution with a ``grouped_gemm`` entry point into ``site``."""
-    (site / f"{name}.py").write_text(textwrap.dedent(module_source))
-    info = site / f"{name}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[grouped_gemm]\n{entry} = {name}\n")
-
-
-def _run(site: Path, code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = with_import_path(site, **env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environ, timeout=120
-    )
-
 
 GOOD = """
     import torch
@@ -83,14 +63,16 @@ REPORT = """
 
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
-    _dist(tmp_path, "gg_plugin_good", GOOD, "good")
-    _dist(tmp_path, "gg_plugin_broken", BROKEN, "broken")
-    _dist(tmp_path, "gg_plugin_duplicate", DUPLICATE, "duplicate")
+    install_plugin(tmp_path, "gg_plugin_good", {"gg_plugin_good": GOOD}, {"good": "gg_plugin_good"})
+    install_plugin(tmp_path, "gg_plugin_broken", {"gg_plugin_broken": BROKEN}, {"broken": "gg_plugin_broken"})
+    install_plugin(
+        tmp_path, "gg_plugin_duplicate", {"gg_plugin_duplicate": DUPLICATE}, {"duplicate": "gg_plugin_duplicate"}
+    )
     return tmp_path
 
 
 def test_entry_points_failures_and_duplicates(site):
-    proc = _run(site, REPORT)
+    proc = run_python(site, REPORT)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["backends"]["via_callback"] == "good (gg_plugin_good)"
@@ -104,7 +86,7 @@ def test_entry_points_failures_and_duplicates(site):
 
 
 def test_autoload_can_be_disabled(site):
-    proc = _run(site, REPORT, GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD="1")
+    proc = run_python(site, REPORT, GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD="1")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "via_callback" not in report["backends"]
@@ -113,7 +95,7 @@ def test_autoload_can_be_disabled(site):
 
 
 def test_cli_shows_failed_plugins(site):
-    proc = _run(site, "from grouped_gemm.cli import main; raise SystemExit(main(['backends']))")
+    proc = run_python(site, "from grouped_gemm.cli import main; raise SystemExit(main(['backends']))")
     assert proc.returncode == 0, proc.stderr
     assert "plugins that failed to load" in proc.stdout
     assert "simulated missing dependency libfoo" in proc.stdout

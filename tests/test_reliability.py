@@ -7,46 +7,28 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from subprocess_env import with_import_path
+from plugin_site import install_plugin, run_python
 
 import grouped_gemm as gg
 from grouped_gemm import dispatch
 from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error
 from grouped_gemm.validation import assert_device_splits
 
-
-def _dist(site: Path, name: str, source: str) -> None:
-    """A one-module distribution with a ``grouped_gemm`` entry point, installed in ``site``."""
-    (site / f"{name}.py").write_text(textwrap.dedent(source))
-    info = site / f"{name}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[grouped_gemm]\n{name} = {name}\n")
-
-
-def _python(site: Path, code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = with_import_path(site, **env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environ, timeout=120
-    )
-
-
 # 1. A third-party duplicate of a built-in name always loses, even with trylast=True.
 
 
 @pytest.mark.slow
 def test_trylast_plugin_cannot_replace_a_builtin(tmp_path):
-    _dist(
+    install_plugin(
         tmp_path,
         "shadow",
-        """
+        {
+            "shadow": """
         import torch
         import grouped_gemm as gg
 
@@ -59,9 +41,10 @@ def test_trylast_plugin_cannot_replace_a_builtin(tmp_path):
         @gg.hookimpl(trylast=True)
         def grouped_gemm_backends():
             return [Shadow()]
-        """,
+        """
+        },
     )
-    done = _python(
+    done = run_python(
         tmp_path,
         """
         import torch, grouped_gemm as gg
