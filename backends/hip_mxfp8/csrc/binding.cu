@@ -13,22 +13,39 @@ namespace {
 
 using gg_mxfp8::Operand;
 
-void check_operand(const torch::Tensor& data, const torch::Tensor& scale, const char* name) {
+// data holds E4M3 codes contraction-major (..., rows, L) or k-outer (..., L, rows); scale its
+// E8M0 bytes (..., rows, L/32) or (..., L/32, rows). Checked, then handed over as the
+// kernels' Operand with its contraction length L.
+struct CheckedOperand {
+  Operand op;
+  int64_t len;
+};
+
+CheckedOperand operand(const torch::Tensor& data, const torch::Tensor& scale, bool k_outer, const char* name) {
   TORCH_CHECK(data.is_cuda() && scale.is_cuda(), name, ": data and scale must be GPU tensors");
   TORCH_CHECK(data.element_size() == 1 && scale.scalar_type() == torch::kUInt8, name,
               ": data must be 1-byte E4M3 codes and scale uint8 E8M0 bytes");
   TORCH_CHECK(data.is_contiguous() && scale.is_contiguous(), name, ": data and scale must be contiguous");
-  const int64_t len = data.size(-1);
+  TORCH_CHECK(data.dim() >= 2 && scale.dim() == data.dim(), name, ": data and scale must have the same rank (>= 2)");
+  const int64_t len = k_outer ? data.size(-2) : data.size(-1);
+  const int64_t rows = k_outer ? data.size(-1) : data.size(-2);
   TORCH_CHECK(len % gg_mxfp8::MX_BLOCK == 0, name, ": contraction length ", len, " is not a multiple of 32");
-  TORCH_CHECK(scale.size(-1) == len / gg_mxfp8::MX_BLOCK && scale.numel() * gg_mxfp8::MX_BLOCK == data.numel(),
-              name, ": scale shape does not match data");
+  const int64_t blocks = len / gg_mxfp8::MX_BLOCK;
+  const int64_t srows = k_outer ? scale.size(-1) : scale.size(-2);
+  const int64_t sblocks = k_outer ? scale.size(-2) : scale.size(-1);
+  TORCH_CHECK(srows == rows && sblocks == blocks && scale.numel() * gg_mxfp8::MX_BLOCK == data.numel(), name,
+              ": scale shape does not match data");
+  // k-outer lines are copied 16 bytes at a time: every line start and every row count whole chunks.
+  TORCH_CHECK(!k_outer || rows % 16 == 0, name, ": a k-outer operand needs a multiple of 16 rows, got ", rows);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(data.data_ptr()) % 16 == 0, name, ": data must be 16-byte aligned");
-}
-
-Operand operand(const torch::Tensor& data, const torch::Tensor& scale) {
-  const int64_t len = data.size(-1);
-  return Operand{static_cast<const uint8_t*>(data.data_ptr()), static_cast<const uint8_t*>(scale.data_ptr()), len,
-                 len / gg_mxfp8::MX_BLOCK};
+  const Operand op{static_cast<const uint8_t*>(data.data_ptr()),
+                   static_cast<const uint8_t*>(scale.data_ptr()),
+                   k_outer ? rows : len,
+                   k_outer ? 1 : blocks,
+                   k_outer ? rows : 1,
+                   rows * len,
+                   rows * blocks};
+  return {op, len};
 }
 
 void check_out(const torch::Tensor& out) {
@@ -43,18 +60,45 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
               name, " must be a contiguous int32 GPU tensor of ", groups, " group ends");
 }
 
+// Raise the kernel's dynamic shared-memory limit to what this launch asks (above the 48 KiB default).
+template <typename Kernel>
+void allow_smem(Kernel kernel, int bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename OutT, bool BKOuter>
+void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& row_ends,
+                 const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, OutT* out) {
+  const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
+  const int smem = gg_mxfp8::smem_bytes(BKOuter ? 1 : 0);
+  allow_smem(kernel, smem);
+  kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
+                                                    groups, ncols, kblocks, out);
+}
+
+template <typename OutT, bool KOuter>
+void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& pad_ends,
+                  int nrows, int ncols, OutT* out, bool accumulate) {
+  const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
+  const int smem = gg_mxfp8::smem_bytes(KOuter ? 2 : 0);
+  allow_smem(kernel, smem);
+  kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, out, accumulate);
+}
+
 }  // namespace
 
-// fwd / dgrad: out (M, C) = a (M, L) x b (G, C, L)^T per row group; L is the contraction.
+// b_k_outer: b is (G, L, C) with scales (G, L/32, C) (a weight blocked along the contraction
+// for dgrad, read as quantized); else (G, C, L) with scales (G, C, L/32).
 void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const torch::Tensor& b_data,
                const torch::Tensor& b_scale, const torch::Tensor& row_ends, const torch::Tensor& tile_ends,
-               int64_t max_tiles, const torch::Tensor& out) {
-  check_operand(a_data, a_scale, "a");
-  check_operand(b_data, b_scale, "b");
+               int64_t max_tiles, const torch::Tensor& out, bool b_k_outer) {
+  const CheckedOperand a = operand(a_data, a_scale, false, "a");
+  TORCH_CHECK(a_data.dim() == 2 && b_data.dim() == 3, "a must be (M, L) and b (G, C, L) or (G, L, C)");
+  const CheckedOperand b = operand(b_data, b_scale, b_k_outer, "b");
+  TORCH_CHECK(b.len == a.len, "a and b must have the same contraction length");
   check_out(out);
-  TORCH_CHECK(a_data.dim() == 2 && b_data.dim() == 3 && a_data.size(1) == b_data.size(2), "a (M, L), b (G, C, L)");
   const int64_t groups = b_data.size(0);
-  const int64_t ncols = b_data.size(1);
+  const int64_t ncols = b_k_outer ? b_data.size(2) : b_data.size(1);
   TORCH_CHECK(groups >= 1 && out.dim() == 2 && out.size(0) == a_data.size(0) && out.size(1) == ncols,
               "out must be (M, C)");
   check_ends(row_ends, groups, "row_ends");
@@ -64,56 +108,54 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   const c10::cuda::CUDAGuard guard(a_data.device());
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const Operand a = operand(a_data, a_scale);
-  const Operand b = operand(b_data, b_scale);
-  const int64_t kblocks = a_data.size(1) / gg_mxfp8::MX_BLOCK;
+  const int64_t kblocks = a.len / gg_mxfp8::MX_BLOCK;
+  const int g = static_cast<int>(groups), c = static_cast<int>(ncols);
   if (out.scalar_type() == torch::kFloat32) {
-    gg_mxfp8::rows_kernel<float><<<grid, gg_mxfp8::THREADS, 0, stream>>>(
-        a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(), static_cast<int>(groups),
-        static_cast<int>(ncols), kblocks, out.data_ptr<float>());
+    if (b_k_outer) launch_rows<float, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, out.data_ptr<float>());
+    else launch_rows<float, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, out.data_ptr<float>());
   } else {
-    gg_mxfp8::rows_kernel<uint16_t><<<grid, gg_mxfp8::THREADS, 0, stream>>>(
-        a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(), static_cast<int>(groups),
-        static_cast<int>(ncols), kblocks, static_cast<uint16_t*>(out.data_ptr()));
+    auto* o = static_cast<uint16_t*>(out.data_ptr());
+    if (b_k_outer) launch_rows<uint16_t, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, o);
+    else launch_rows<uint16_t, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, o);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// wgrad: out[g] (R, C) (+)= a (R, T) x b (C, T)^T over group g's tokens [pad_ends[g-1], pad_ends[g]).
+// k_outer: a is (T, R) and b (T, C), token-major as quantized along the tokens, scales
+// (T/32, R) and (T/32, C); else a (R, T), b (C, T), scales (R, T/32) and (C, T/32).
 void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const torch::Tensor& b_data,
-                const torch::Tensor& b_scale, const torch::Tensor& pad_ends, const torch::Tensor& out, bool accumulate) {
-  check_operand(a_data, a_scale, "a");
-  check_operand(b_data, b_scale, "b");
+                const torch::Tensor& b_scale, const torch::Tensor& pad_ends, const torch::Tensor& out, bool accumulate,
+                bool k_outer) {
+  TORCH_CHECK(a_data.dim() == 2 && b_data.dim() == 2, "a and b must be 2-D");
+  const CheckedOperand a = operand(a_data, a_scale, k_outer, "a");
+  const CheckedOperand b = operand(b_data, b_scale, k_outer, "b");
+  TORCH_CHECK(b.len == a.len, "a and b must have the same token count");
   check_out(out);
-  TORCH_CHECK(a_data.dim() == 2 && b_data.dim() == 2 && a_data.size(1) == b_data.size(1), "a (R, T), b (C, T)");
-  TORCH_CHECK(out.dim() == 3 && out.size(1) == a_data.size(0) && out.size(2) == b_data.size(0),
-              "out must be (G, R, C)");
+  const int64_t nrows = k_outer ? a_data.size(1) : a_data.size(0);
+  const int64_t ncols = k_outer ? b_data.size(1) : b_data.size(0);
+  TORCH_CHECK(out.dim() == 3 && out.size(1) == nrows && out.size(2) == ncols, "out must be (G, R, C)");
   const int64_t groups = out.size(0);
   check_ends(pad_ends, groups, "pad_ends");
-  const int64_t nrows = a_data.size(0);
-  const int64_t ncols = b_data.size(0);
   if (groups == 0 || nrows == 0 || ncols == 0) return;
   TORCH_CHECK(groups <= 65535, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(a_data.device());
   const dim3 grid(static_cast<unsigned>((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN),
                   static_cast<unsigned>((nrows + gg_mxfp8::BM - 1) / gg_mxfp8::BM), static_cast<unsigned>(groups));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const Operand a = operand(a_data, a_scale);
-  const Operand b = operand(b_data, b_scale);
+  const int r = static_cast<int>(nrows), c = static_cast<int>(ncols);
   if (out.scalar_type() == torch::kFloat32) {
-    gg_mxfp8::wgrad_kernel<float><<<grid, gg_mxfp8::THREADS, 0, stream>>>(
-        a, b, pad_ends.data_ptr<int32_t>(), static_cast<int>(nrows), static_cast<int>(ncols), out.data_ptr<float>(),
-        accumulate);
+    if (k_outer) launch_wgrad<float, true>(grid, stream, a.op, b.op, pad_ends, r, c, out.data_ptr<float>(), accumulate);
+    else launch_wgrad<float, false>(grid, stream, a.op, b.op, pad_ends, r, c, out.data_ptr<float>(), accumulate);
   } else {
-    gg_mxfp8::wgrad_kernel<uint16_t><<<grid, gg_mxfp8::THREADS, 0, stream>>>(
-        a, b, pad_ends.data_ptr<int32_t>(), static_cast<int>(nrows), static_cast<int>(ncols),
-        static_cast<uint16_t*>(out.data_ptr()), accumulate);
+    auto* o = static_cast<uint16_t*>(out.data_ptr());
+    if (k_outer) launch_wgrad<uint16_t, true>(grid, stream, a.op, b.op, pad_ends, r, c, o, accumulate);
+    else launch_wgrad<uint16_t, false>(grid, stream, a.op, b.op, pad_ends, r, c, o, accumulate);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "grouped_gemm hip_mxfp8 kernels (MXFP8 grouped GEMM)";
-  m.def("rows_gemm", &rows_gemm, "fwd / dgrad: out (M, C) = a (M, L) x b (G, C, L)^T per row group");
+  m.def("rows_gemm", &rows_gemm, "fwd / dgrad: out (M, C) = a (M, L) x b[g] (C, L)^T per row group");
   m.def("wgrad_gemm", &wgrad_gemm, "wgrad: out[g] (+)= a[:, tokens g] x b[:, tokens g]^T");
 }

@@ -2,9 +2,13 @@
 // contraction, fp32 accumulation, bf16 or fp32 output. Pure CUDA dialect (hipify-able), no
 // torch headers, so it compiles on its own with nvcc (see tests/test_hip_mxfp8_build.py).
 //
-// Both operands are "contraction-major": row r of an operand holds its contraction bytes
-// contiguously (row stride `ld` bytes) and its scale bytes contiguously (stride `lds`).
-//   rows_kernel  (fwd, dgrad): out[m, c] = sum_k A[m, k] * B[g(m) * ncols + c, k]
+// An operand is read in one of two layouts (template flag `KOuter`):
+//   contraction-major: row r holds its contraction bytes contiguously (row stride `ld`);
+//   k-outer: contraction step k holds the operand's rows contiguously (step stride `ld`):
+//     the layout of a weight blocked along N for dgrad, and of wgrad's token-major dy and x,
+//     read as they are (no transposing copy per call) and transposed in shared memory.
+// Scale bytes are addressed by two strides, per row and per MX block.
+//   rows_kernel  (fwd, dgrad): out[m, c] = sum_k A[m, k] * B_g(m)[c, k]
 //                               over ragged row groups, tile schedule from device offsets.
 //   wgrad_kernel             : out[g, n, c] = sum_{t in group g} A[n, t] * B[c, t]
 //                               contraction range per group from device offsets.
@@ -32,35 +36,59 @@
 #define GG_MXFP8_MMA_SYNC 0
 #endif
 
+// Tuning knobs for A/B builds (the defaults are not yet timed against others): pipeline
+// depth, and MX blocks of a stage whose fragment loads are scheduled together (2 and 4
+// spill at 255 registers with nvcc 13.0).
+#ifndef GG_MXFP8_STAGES
+#define GG_MXFP8_STAGES 3
+#endif
+#ifndef GG_MXFP8_KB_UNROLL
+#define GG_MXFP8_KB_UNROLL 1
+#endif
+
 namespace gg_mxfp8 {
 
 constexpr int BM = 128;            // output rows per block
 constexpr int BN = 128;            // output columns per block
-constexpr int BK = 64;             // contraction bytes per pipeline stage (two MX blocks)
+constexpr int BK = 128;            // contraction bytes per pipeline stage (four MX blocks)
 constexpr int MX_BLOCK = 32;       // MX block: one m16n8k32 instruction
+constexpr int KB_UNROLL = GG_MXFP8_KB_UNROLL;
 constexpr int KB_PER_TILE = BK / MX_BLOCK;
+constexpr int STAGES = GG_MXFP8_STAGES;  // stages in flight: loads of STAGES - 1 run under the math of one
 constexpr int THREADS = 256;       // 8 warps: 2 along rows x 4 along columns
 constexpr int WARP_M = 64;         // rows per warp: 4 fragments of 16
 constexpr int WARP_N = 32;         // columns per warp: 4 fragments of 8
 constexpr int FRAG_M = WARP_M / 16;
 constexpr int FRAG_N = WARP_N / 8;
-// Shared-memory row pitch: 80 bytes = 20 words, so the 8 rows x 4 words a fragment load
-// touches fall in 32 distinct banks; a multiple of 16 keeps 16-byte stores aligned.
+// Shared-memory row pitch: 144 bytes, so the eight 16-byte rows one ldmatrix reads fall in
+// eight distinct 16-byte bank groups, and every row start stays 16-byte aligned.
 constexpr int PITCH = BK + 16;
-constexpr int CHUNKS = BM * BK / 16;            // 16-byte chunks per operand tile
-constexpr int CHUNKS_PER_THREAD = CHUNKS / THREADS;
+constexpr int TILE_BYTES = BM * PITCH;              // one operand's codes in one stage
+constexpr int CHUNKS_PER_THREAD = BM * BK / 16 / THREADS;
+constexpr int SCALES_PER_THREAD = BM * KB_PER_TILE / THREADS;
+constexpr int BLOCKS4_PER_THREAD = BM * BK / 16 / THREADS;  // 4x4-byte blocks transposed a stage
 
-static_assert(BM == BN, "the loader handles both operands with one chunk map");
-static_assert(CHUNKS % THREADS == 0, "whole chunks per thread");
-static_assert(BM * KB_PER_TILE == THREADS, "one scale per thread per operand");
+static_assert(BM == BN && BK == BM, "one chunk map and one square transpose serve both operands");
+static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
 
-// One operand: `rows` rows of contraction-major E4M3 codes and their E8M0 scale bytes.
+// One operand: E4M3 codes and their E8M0 scale bytes (see the layouts above). `gdata` and
+// `gscale` step from one group's operand to the next (rows_kernel's weights).
 struct Operand {
   const uint8_t* data;
   const uint8_t* scale;
-  int64_t ld;   // bytes between rows of data
-  int64_t lds;  // bytes between rows of scale
+  int64_t ld;      // contraction-major: bytes between rows; k-outer: between contraction steps
+  int64_t srow;    // scale bytes between rows
+  int64_t skb;     // scale bytes between MX blocks
+  int64_t gdata;
+  int64_t gscale;
 };
+
+__device__ __forceinline__ Operand group_operand(const Operand& op, int g) {
+  Operand o = op;
+  o.data += static_cast<int64_t>(g) * op.gdata;
+  o.scale += static_cast<int64_t>(g) * op.gscale;
+  return o;
+}
 
 __device__ __forceinline__ float e8m0_value(uint32_t byte) {
   const uint32_t bits = byte == 0 ? 0x00400000u : (byte == 255 ? 0x7fc00000u : (byte << 23));
@@ -92,57 +120,126 @@ struct OutStore<uint16_t> {
   __device__ __forceinline__ static void store(uint16_t* p, float v) { *p = bf16_bits(v); }
 };
 
+// One pipeline stage in shared memory: both operands' codes as [row][contraction byte]
+// (a k-outer operand lands here as [contraction byte][row] and is transposed into `work`),
+// and the block scales as floats, [MX block][row].
 struct Stage {
-  uint8_t a[BM * PITCH];
-  uint8_t b[BN * PITCH];
-  float sa[BM * KB_PER_TILE];
-  float sb[BN * KB_PER_TILE];
+  uint8_t a[TILE_BYTES];
+  uint8_t b[TILE_BYTES];
+  float sa[KB_PER_TILE][BM];
+  float sb[KB_PER_TILE][BN];
 };
 
-// Global loads of one stage held in registers (issued before the math of the current stage).
-struct Prefetch {
-  uint4 a[CHUNKS_PER_THREAD];
-  uint4 b[CHUNKS_PER_THREAD];
-  float sa;
-  float sb;
-};
+// Dynamic shared memory of a launch: the stages, then one transpose buffer per k-outer operand.
+constexpr int smem_bytes(int kouter_operands) {
+  return STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
+}
 
-// Load contraction blocks [kb0, kb0 + KB_PER_TILE) of `rows` valid rows starting at `row0`.
-// Rows past `rows` and blocks at or past `kb_end` read as zeros with scale 1.
-__device__ __forceinline__ void load_operand(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
-                                             uint4 (&chunks)[CHUNKS_PER_THREAD], float& scale) {
+// 16 bytes global -> shared, zeros where `valid` is false. Asynchronous (cp.async, zero
+// fill by source size) where mma.sync runs; a plain copy elsewhere.
+__device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool valid) {
+#if GG_MXFP8_MMA_SYNC
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#else
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void copy_commit() {
+#if GG_MXFP8_MMA_SYNC
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most `pending` committed copy groups of this thread are still in flight.
+template <int pending>
+__device__ __forceinline__ void copy_wait() {
+#if GG_MXFP8_MMA_SYNC
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+#endif
+}
+
+// Issue the copies of contraction blocks [kb0, kb0 + KB_PER_TILE) of rows [row0, row0 +
+// rows) into `dst`. Rows past `rows` and blocks at or past `kb_end` land as zeros.
+template <bool KOuter>
+__device__ __forceinline__ void load_codes(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
+                                           uint8_t* dst) {
   const int tid = threadIdx.x;
+  const int64_t k_end = kb_end * MX_BLOCK;
 #pragma unroll
   for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
     const int c = tid + i * THREADS;
-    const int r = c / (BK / 16);
-    const int col = (c % (BK / 16)) * 16;
-    const int64_t kbyte = kb0 * MX_BLOCK + col;
-    if (r < rows && kbyte < kb_end * MX_BLOCK) {
-      chunks[i] = *reinterpret_cast<const uint4*>(op.data + (row0 + r) * op.ld + kbyte);
-    } else {
-      chunks[i] = make_uint4(0u, 0u, 0u, 0u);
-    }
+    const int line = c / (BK / 16);         // a row (contraction-major) or a contraction step (k-outer)
+    const int byte = (c % (BK / 16)) * 16;  // along the line
+    const int64_t k = kb0 * MX_BLOCK + (KOuter ? line : byte);
+    const bool valid = k < k_end && (KOuter ? byte < rows : line < rows);
+    const uint8_t* src = valid ? op.data + (KOuter ? k * op.ld + row0 + byte : (row0 + line) * op.ld + k) : op.data;
+    copy16(dst + line * PITCH + byte, src, valid);
   }
-  const int r = tid / KB_PER_TILE;
-  const int64_t kb = kb0 + tid % KB_PER_TILE;
-  scale = (r < rows && kb < kb_end) ? e8m0_value(op.scale[(row0 + r) * op.lds + kb]) : 1.0f;
 }
 
-__device__ __forceinline__ void store_stage(Stage& s, const Prefetch& p) {
+// The (row, MX block) of a stage whose scale the calling thread handles as its i-th: one map
+// for loading and storing, so neighbouring threads read neighbouring bytes in either layout.
+__device__ __forceinline__ void scale_slot(const Operand& op, int i, int& r, int& kb) {
+  const int e = threadIdx.x + i * THREADS;
+  r = op.srow == 1 ? e % BM : e / KB_PER_TILE;
+  kb = op.srow == 1 ? e / BM : e % KB_PER_TILE;
+}
+
+// The stage's scale bytes, loaded into registers (E8M0 bytes need no 4-byte alignment, which
+// cp.async would); 1.0 outside the operand.
+__device__ __forceinline__ void load_scales(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
+                                            float (&scale)[SCALES_PER_THREAD]) {
+#pragma unroll
+  for (int i = 0; i < SCALES_PER_THREAD; ++i) {
+    int r, kb;
+    scale_slot(op, i, r, kb);
+    const bool valid = r < rows && kb0 + kb < kb_end;
+    scale[i] = valid ? e8m0_value(op.scale[(row0 + r) * op.srow + (kb0 + kb) * op.skb]) : 1.0f;
+  }
+}
+
+__device__ __forceinline__ void store_scales(const Operand& op, float (&dst)[KB_PER_TILE][BM],
+                                             const float (&scale)[SCALES_PER_THREAD]) {
+#pragma unroll
+  for (int i = 0; i < SCALES_PER_THREAD; ++i) {
+    int r, kb;
+    scale_slot(op, i, r, kb);
+    dst[kb][r] = scale[i];
+  }
+}
+
+// [contraction byte][row] -> [row][contraction byte], 4x4-byte blocks through registers.
+__device__ __forceinline__ void transpose_tile(const uint8_t* src, uint8_t* dst) {
   const int tid = threadIdx.x;
 #pragma unroll
-  for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
-    const int c = tid + i * THREADS;
-    const int off = (c / (BK / 16)) * PITCH + (c % (BK / 16)) * 16;
-    *reinterpret_cast<uint4*>(s.a + off) = p.a[i];
-    *reinterpret_cast<uint4*>(s.b + off) = p.b[i];
+  for (int i = 0; i < BLOCKS4_PER_THREAD; ++i) {
+    const int q = tid + i * THREADS;
+    const int row4 = (q % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
+    const int k4 = (q / (BM / 4)) * 4;
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = *reinterpret_cast<const uint32_t*>(src + (k4 + j) * PITCH + row4);
+    const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
+    const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
+    *reinterpret_cast<uint32_t*>(dst + (row4 + 0) * PITCH + k4) = __byte_perm(lo01, lo23, 0x5410);
+    *reinterpret_cast<uint32_t*>(dst + (row4 + 1) * PITCH + k4) = __byte_perm(lo01, lo23, 0x7632);
+    *reinterpret_cast<uint32_t*>(dst + (row4 + 2) * PITCH + k4) = __byte_perm(hi01, hi23, 0x5410);
+    *reinterpret_cast<uint32_t*>(dst + (row4 + 3) * PITCH + k4) = __byte_perm(hi01, hi23, 0x7632);
   }
-  s.sa[tid] = p.sa;
-  s.sb[tid] = p.sb;
 }
 
-#if !GG_MXFP8_MMA_SYNC
+#if GG_MXFP8_MMA_SYNC
+// Four 8x8 matrices of 16-bit pairs (here: 8 rows x 16 bytes each) from shared memory;
+// thread l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldmatrix_x4(const uint8_t* row, uint32_t (&r)[4]) {
+  const uint32_t p = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(p));
+}
+#else
 // Exact E4M3 (OCP "fn": no infinities, S.1111.111 is NaN) -> fp32.
 __device__ __forceinline__ float e4m3_value(uint32_t code) {
   const uint32_t e = (code >> 3) & 0xf;
@@ -170,43 +267,48 @@ __device__ __forceinline__ float block_dot(const uint8_t* a, const uint8_t* b) {
 // The math of one stage for this thread's fragments: for each MX block, the 16x8 block
 // products of every (row fragment, column fragment) pair in the m16n8k32 accumulator layout
 // (rows g and g+8, columns 2t and 2t+1 of the fragment), promoted into `acc` with the scales.
-__device__ __forceinline__ void stage_math(const Stage& s, float (&acc)[FRAG_M][FRAG_N][4]) {
+__device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_t* sb_codes,
+                                           const float (&sa_all)[KB_PER_TILE][BM],
+                                           const float (&sb_all)[KB_PER_TILE][BN], float (&acc)[FRAG_M][FRAG_N][4]) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
   const int t = lane % 4;
   const int wrow = (warp / (BN / WARP_N)) * WARP_M;
   const int wcol = (warp % (BN / WARP_N)) * WARP_N;
-#pragma unroll
+#pragma unroll KB_UNROLL
   for (int kb = 0; kb < KB_PER_TILE; ++kb) {
     float sa[FRAG_M][2];
     float sb[FRAG_N][2];
 #pragma unroll
     for (int mi = 0; mi < FRAG_M; ++mi) {
-      sa[mi][0] = s.sa[(wrow + mi * 16 + g) * KB_PER_TILE + kb];
-      sa[mi][1] = s.sa[(wrow + mi * 16 + g + 8) * KB_PER_TILE + kb];
+      sa[mi][0] = sa_all[kb][wrow + mi * 16 + g];
+      sa[mi][1] = sa_all[kb][wrow + mi * 16 + g + 8];
     }
 #pragma unroll
     for (int ni = 0; ni < FRAG_N; ++ni) {
-      sb[ni][0] = s.sb[(wcol + ni * 8 + 2 * t) * KB_PER_TILE + kb];
-      sb[ni][1] = s.sb[(wcol + ni * 8 + 2 * t + 1) * KB_PER_TILE + kb];
+      sb[ni][0] = sb_all[kb][wcol + ni * 8 + 2 * t];
+      sb[ni][1] = sb_all[kb][wcol + ni * 8 + 2 * t + 1];
     }
 #if GG_MXFP8_MMA_SYNC
+    // A: matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31) = a0, a1, a2, a3 of m16n8k32.
+    // B: two column fragments per load, (bytes 0-15, 16-31) of columns 0-7, then of 8-15.
     uint32_t af[FRAG_M][4];
     uint32_t bf[FRAG_N][2];
 #pragma unroll
     for (int mi = 0; mi < FRAG_M; ++mi) {
-      const uint8_t* top = s.a + (wrow + mi * 16 + g) * PITCH + kb * MX_BLOCK + 4 * t;
-      af[mi][0] = *reinterpret_cast<const uint32_t*>(top);
-      af[mi][1] = *reinterpret_cast<const uint32_t*>(top + 8 * PITCH);
-      af[mi][2] = *reinterpret_cast<const uint32_t*>(top + 16);
-      af[mi][3] = *reinterpret_cast<const uint32_t*>(top + 8 * PITCH + 16);
+      const int row = wrow + mi * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+      ldmatrix_x4(sa_codes + row * PITCH + kb * MX_BLOCK + (lane / 16) * 16, af[mi]);
     }
 #pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni) {
-      const uint8_t* col = s.b + (wcol + ni * 8 + g) * PITCH + kb * MX_BLOCK + 4 * t;
-      bf[ni][0] = *reinterpret_cast<const uint32_t*>(col);
-      bf[ni][1] = *reinterpret_cast<const uint32_t*>(col + 16);
+    for (int ni = 0; ni < FRAG_N; ni += 2) {
+      const int col = wcol + ni * 8 + (lane / 16) * 8 + lane % 8;
+      uint32_t r[4];
+      ldmatrix_x4(sb_codes + col * PITCH + kb * MX_BLOCK + ((lane / 8) % 2) * 16, r);
+      bf[ni][0] = r[0];
+      bf[ni][1] = r[1];
+      bf[ni + 1][0] = r[2];
+      bf[ni + 1][1] = r[3];
     }
 #endif
 #pragma unroll
@@ -221,8 +323,8 @@ __device__ __forceinline__ void stage_math(const Stage& s, float (&acc)[FRAG_M][
             : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]), "r"(bf[ni][1]),
               "f"(0.0f), "f"(0.0f), "f"(0.0f), "f"(0.0f));
 #else
-        const uint8_t* top = s.a + (wrow + mi * 16 + g) * PITCH + kb * MX_BLOCK;
-        const uint8_t* col = s.b + (wcol + ni * 8 + 2 * t) * PITCH + kb * MX_BLOCK;
+        const uint8_t* top = sa_codes + (wrow + mi * 16 + g) * PITCH + kb * MX_BLOCK;
+        const uint8_t* col = sb_codes + (wcol + ni * 8 + 2 * t) * PITCH + kb * MX_BLOCK;
         d[0] = block_dot(top, col);
         d[1] = block_dot(top, col + PITCH);
         d[2] = block_dot(top + 8 * PITCH, col);
@@ -238,11 +340,16 @@ __device__ __forceinline__ void stage_math(const Stage& s, float (&acc)[FRAG_M][
 }
 
 // acc = sum over MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows
-// [b_row0, +b_rows): a two-stage shared-memory pipeline, the next stage's global loads
-// in flight in registers while the current stage's math runs; one barrier per stage.
-__device__ __forceinline__ void tile_product(Stage (&stages)[2], const Operand& a, int64_t a_row0, int a_rows,
+// [b_row0, +b_rows): a STAGES-deep pipeline of asynchronous copies, one barrier a stage
+// (two with a k-outer operand, whose tile is transposed before the math).
+template <bool AKOuter, bool BKOuter>
+__device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                              int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
+  Stage* stages = reinterpret_cast<Stage*>(smem);
+  uint8_t* work = smem + STAGES * sizeof(Stage);  // transposed k-outer tiles: A's, then B's
+  uint8_t* work_a = work;
+  uint8_t* work_b = work + (AKOuter ? TILE_BYTES : 0);
 #pragma unroll
   for (int mi = 0; mi < FRAG_M; ++mi)
 #pragma unroll
@@ -251,22 +358,47 @@ __device__ __forceinline__ void tile_product(Stage (&stages)[2], const Operand& 
       for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
   if (tiles <= 0) return;
-  Prefetch p;
-  load_operand(a, a_row0, a_rows, kb_begin, kb_end, p.a, p.sa);
-  load_operand(b, b_row0, b_rows, kb_begin, kb_end, p.b, p.sb);
-  store_stage(stages[0], p);
-  __syncthreads();
-  for (int64_t i = 0; i < tiles; ++i) {
-    const bool more = i + 1 < tiles;
-    if (more) {
-      const int64_t kb = kb_begin + (i + 1) * KB_PER_TILE;
-      load_operand(a, a_row0, a_rows, kb, kb_end, p.a, p.sa);
-      load_operand(b, b_row0, b_rows, kb, kb_end, p.b, p.sb);
+  float scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < tiles) {
+      const int64_t kb = kb_begin + s * KB_PER_TILE;
+      load_codes<AKOuter>(a, a_row0, a_rows, kb, kb_end, stages[s].a);
+      load_codes<BKOuter>(b, b_row0, b_rows, kb, kb_end, stages[s].b);
+      load_scales(a, a_row0, a_rows, kb, kb_end, scale_a);
+      load_scales(b, b_row0, b_rows, kb, kb_end, scale_b);
+      store_scales(a, stages[s].sa, scale_a);
+      store_scales(b, stages[s].sb, scale_b);
     }
-    stage_math(stages[i & 1], acc);
-    if (more) store_stage(stages[(i + 1) & 1], p);
-    __syncthreads();
+    copy_commit();
   }
+  for (int64_t i = 0; i < tiles; ++i) {
+    copy_wait<STAGES - 2>();
+    __syncthreads();  // stage i has landed for every thread; stage i - 1 is no longer read
+    const int64_t next = i + STAGES - 1;
+    Stage& upcoming = stages[next % STAGES];
+    if (next < tiles) {
+      const int64_t kb = kb_begin + next * KB_PER_TILE;
+      load_codes<AKOuter>(a, a_row0, a_rows, kb, kb_end, upcoming.a);
+      load_codes<BKOuter>(b, b_row0, b_rows, kb, kb_end, upcoming.b);
+      load_scales(a, a_row0, a_rows, kb, kb_end, scale_a);
+      load_scales(b, b_row0, b_rows, kb, kb_end, scale_b);
+    }
+    copy_commit();
+    Stage& current = stages[i % STAGES];
+    if (AKOuter || BKOuter) {
+      if (AKOuter) transpose_tile(current.a, work_a);
+      if (BKOuter) transpose_tile(current.b, work_b);
+      __syncthreads();
+    }
+    stage_math(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
+    if (next < tiles) {  // the scale loads had the math to arrive
+      store_scales(a, upcoming.sa, scale_a);
+      store_scales(b, upcoming.sb, scale_b);
+    }
+  }
+  copy_wait<0>();
+  __syncthreads();  // the caller may reuse shared memory
 }
 
 // Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
@@ -295,15 +427,15 @@ __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4]
       }
 }
 
-// fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out, and rows
-// [g * ncols, (g + 1) * ncols) of B. tile_ends[g] is the cumulative count of BM-row tiles
-// through group g; blockIdx.x is a tile index (blocks past the last tile exit), blockIdx.y
-// a column tile. Everything is read on the device: no host sync, graph-capturable.
-template <typename OutT>
+// fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
+// group_operand(b, g), whose rows are out's columns. tile_ends[g] is the cumulative count of
+// BM-row tiles through group g; blockIdx.x is a tile index (blocks past the last tile exit),
+// blockIdx.y a column tile. Everything is read on the device: no host sync, graph-capturable.
+template <typename OutT, bool BKOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     rows_kernel(Operand a, Operand b, const int32_t* __restrict__ row_ends, const int32_t* __restrict__ tile_ends,
                 int groups, int ncols, int64_t kblocks, OutT* __restrict__ out) {
-  __shared__ Stage stages[2];
+  extern __shared__ __align__(16) uint8_t smem[];
   const int tile = blockIdx.x;
   if (tile >= tile_ends[groups - 1]) return;
   int lo = 0, hi = groups - 1;  // first group whose tile_ends exceeds `tile`
@@ -319,18 +451,18 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int col0 = blockIdx.y * BN;
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  tile_product(stages, a, row0, rows, b, static_cast<int64_t>(g) * ncols + col0, cols, 0, kblocks, acc);
+  tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, acc);
   store_tile(acc, out + row0 * ncols + col0, ncols, rows, cols, false);
 }
 
 // wgrad. out[g] (nrows x ncols) = A[:, tokens of g] . B[:, tokens of g]^T, where group g's
 // (padded, 32-aligned) tokens are [pad_ends[g-1], pad_ends[g]). blockIdx = (column tile,
 // row tile, group). A group without tokens writes zeros (or leaves out untouched).
-template <typename OutT>
+template <typename OutT, bool KOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_kernel(Operand a, Operand b, const int32_t* __restrict__ pad_ends, int nrows, int ncols,
                  OutT* __restrict__ out, bool accumulate) {
-  __shared__ Stage stages[2];
+  extern __shared__ __align__(16) uint8_t smem[];
   const int g = blockIdx.z;
   const int64_t t0 = g ? pad_ends[g - 1] : 0;
   const int64_t t1 = pad_ends[g];
@@ -339,7 +471,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int rows = min(BM, nrows - row0);
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  tile_product(stages, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, acc);
+  tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, acc);
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
   store_tile(acc, dst, ncols, rows, cols, accumulate);
 }
