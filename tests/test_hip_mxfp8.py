@@ -17,7 +17,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm.backends.hip_mxfp8 import build
 from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
-from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.testing import poison, random_splits, sqnr_db
 
 pytestmark = pytest.mark.gpu
@@ -184,11 +184,51 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
     outs = []
     for module in (fast, portable):
         out = poison(torch.empty(m, n, device=DEVICE))
-        module.rows_gemm(x.data, x.scale, w.data, w.scale, ends, tile_ends, 3 + groups, out)
+        module.rows_gemm(x.data, x.scale, w.data, w.scale, ends, tile_ends, 3 + groups, out, False)
         outs.append(out)
     want = gg.grouped_gemm(x, w, [100, 0, 200], recipe="mxfp8", out_dtype=torch.float32, backend="reference")
     assert sqnr_db(outs[1], want) >= MIN_SQNR
     assert sqnr_db(outs[1], outs[0]) >= 90.0
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_k_outer_operands_equal_their_transposed_copies(out_dtype, gen):
+    """dgrad's weight and wgrad's token-major operands are read as quantized and transposed in
+    shared memory: bit for bit the result of the contraction-major copies (empty and
+    partial groups, columns short of a tile, NaN scales)."""
+    fast = build.ensure(
+        gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch, "cuda"
+    ).module
+    groups, m, n, k = 3, 300, 160, 208
+    splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
+    ends = torch.cumsum(splits, 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((splits + 127) // 128, 0, dtype=torch.int32)
+    dy = quantize_mx(torch.randn(m, n, generator=gen).to(DEVICE), "e4m3", axis=1)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(DEVICE), "e4m3", op="dgrad")
+    w.scale[1, 2, 5] = 255  # NaN: one output column of group 1's rows (group 1 is empty) ...
+    w.scale[2, 1, 7] = 255  # ... and of group 2's
+    outs = []
+    for k_outer in (True, False):
+        w_data = w.data if k_outer else w.data.transpose(1, 2).contiguous()
+        w_scale = w.scale if k_outer else w.scale.transpose(1, 2).contiguous()
+        out = poison(torch.empty(m, k, device=DEVICE, dtype=out_dtype))
+        fast.rows_gemm(dy.data, dy.scale, w_data, w_scale, ends, tile_ends, 3 + groups, out, k_outer)
+        outs.append(out)
+    assert torch.equal(outs[0].isnan(), outs[1].isnan()) and outs[0][:, 7].isnan()[100:].all()
+    assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+    rows = quantize_mx_rows(torch.randn(m, n, generator=gen).to(DEVICE), [100, 0, 200], "e4m3", align=32)
+    cols = quantize_mx_rows(torch.randn(m, k, generator=gen).to(DEVICE), [100, 0, 200], "e4m3", align=32)
+    pad_ends = rows.padded_offsets[1:].contiguous()
+    grads = []
+    for k_outer in (True, False):
+        a, b = rows.tensor, cols.tensor
+        operands = (a.data, a.scale, b.data, b.scale)
+        if not k_outer:
+            operands = tuple(t.t().contiguous() for t in operands)
+        out = poison(torch.empty(groups, n, k, device=DEVICE, dtype=out_dtype))
+        fast.wgrad_gemm(*operands, pad_ends, out, False, k_outer)
+        grads.append(out)
+    assert torch.equal(grads[0], grads[1]) and not grads[0][1].any()
 
 
 def test_selected_by_dispatch_on_this_gpu():

@@ -20,6 +20,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import cli
+from grouped_gemm.backends.hip_mxfp8 import backend as hip_backend
 from grouped_gemm.backends.hip_mxfp8 import build
 from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
 
@@ -263,9 +264,13 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
     kernels = "\n".join(
         f"template __global__ void gg_mxfp8::{decl};"
         for decl in (
-            "rows_kernel<float>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, int, "
-            "int64_t, float*)",
-            "wgrad_kernel<uint16_t>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, uint16_t*, bool)",
+            "rows_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
+            "int, int64_t, float*)",
+            "rows_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
+            "int, int64_t, uint16_t*)",
+            "wgrad_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, uint16_t*, "
+            "bool)",
+            "wgrad_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, float*, bool)",
         )
     )
     unit.write_text(f'#include "mxfp8_grouped.cuh"\n{kernels}\n')
@@ -276,7 +281,7 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert compiled.returncode == 0, compiled.stderr
-    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, compiled.stderr
+    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 4, compiled.stderr
     sass = subprocess.run(
         [_CUOBJDUMP, "--dump-sass", str(tmp_path / "unit.o")], capture_output=True, text=True, check=True
     ).stdout
@@ -288,6 +293,10 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         # of the warp tile: per MX block 16 A and 8 B registers, 32 HMMA. Per MMA, as the
         # microbenchmark's lone instruction is, it would be 12 F2FP for every 2 HMMA.
         assert len(re.findall(r"\bF2FP\b", sass)) * 2 == len(re.findall(r"\bHMMA\b", sass)) * 3
+        # Fragments come from shared memory by ldmatrix (one a row fragment, one for two
+        # column fragments) and the stages by asynchronous copies.
+        assert len(re.findall(r"\bLDSM\b", sass)) * 32 == len(re.findall(r"\bHMMA\b", sass)) * 6
+        assert "LDGSTS" in sass
 
 
 @pytest.mark.parametrize("builds", [True, False])
@@ -322,3 +331,67 @@ def test_the_build_waits_for_prepare(cache, monkeypatch, builds):
     assert [r.code for r in backend.prepare(here)] == ([] if builds else ["build"]) and attempts == ["sm_90"]
     assert [r.code for r in backend.check(here)] == ([] if builds else ["build"])
     assert backend.prepare(described) == [] and attempts == ["sm_90"]  # a described device is built where it runs
+
+
+def _decoded(data: torch.Tensor, scale: torch.Tensor, block_axis: int) -> torch.Tensor:
+    """E4M3 codes times their E8M0 block scales (byte 255: NaN), in float64."""
+    scale = torch.exp2(scale.double() - 127).masked_fill(scale == 255, float("nan"))
+    scale = scale.repeat_interleave(32, dim=block_axis)
+    return data.double() * scale
+
+
+class _KernelModel:
+    """Stands in for the compiled module on the CPU: computes what the kernels compute from
+    the operands exactly as the backend hands them over, reading each in the layout its
+    ``k_outer`` flag declares, so a layout the Python side gets wrong gives a wrong result."""
+
+    def __init__(self) -> None:
+        self.k_outer: list[bool] = []
+
+    def rows_gemm(self, a_data, a_scale, b_data, b_scale, row_ends, tile_ends, max_tiles, out, k_outer):
+        self.k_outer.append(k_outer)
+        a = _decoded(a_data, a_scale, 1)
+        b = _decoded(b_data, b_scale, 1 if k_outer else 2)
+        b = b.transpose(1, 2) if k_outer else b  # (G, C, L)
+        start = 0
+        for g, end in enumerate(row_ends.tolist()):
+            out[start:end] = (a[start:end] @ b[g].T).to(out.dtype)
+            start = end
+
+    def wgrad_gemm(self, a_data, a_scale, b_data, b_scale, pad_ends, out, accumulate, k_outer):
+        self.k_outer.append(k_outer)
+        a = _decoded(a_data, a_scale, 0 if k_outer else 1)
+        b = _decoded(b_data, b_scale, 0 if k_outer else 1)
+        a, b = (a.T, b.T) if k_outer else (a, b)  # (R, T), (C, T)
+        start = 0
+        for g, end in enumerate(pad_ends.tolist()):
+            out[g] = (out[g] if accumulate else 0) + (a[:, start:end] @ b[:, start:end].T).to(out.dtype)
+            start = end
+
+
+@pytest.mark.parametrize(
+    ("op", "k", "n", "k_outer"),
+    [
+        ("dgrad", 160, 96, True),  # K (dgrad's output columns) whole 16-byte lines: read as quantized
+        ("dgrad", 136, 96, False),  # K % 16 == 8: transposed by a copy first
+        ("wgrad", 160, 96, True),
+        ("wgrad", 160, 72, False),  # N % 16 == 8
+        ("fwd", 136, 72, False),
+    ],
+)
+def test_operand_layouts_handed_to_the_kernels(op, k, n, k_outer):
+    """The backend's choice between reading a k-outer operand as it is and transposing it
+    first, checked on the CPU against ``reference`` through a model of the kernels."""
+    gen = torch.Generator().manual_seed(0)
+    groups, m, splits = 3, 100, [40, 0, 60]
+    problem = gg.describe_problem(op=op, recipe="mxfp8", groups=groups, m=m, n=n, k=k, device="sm_90", splits=splits)
+    problem = dataclasses.replace(problem, out_dtype="float32")
+    shapes = {"fwd": ((m, k), (groups, n, k)), "dgrad": ((m, n), (groups, n, k)), "wgrad": ((m, n), (m, k))}[op]
+    a, b = (torch.randn(*shape, generator=gen) for shape in shapes)
+    model = _KernelModel()
+    run = hip_backend._run_wgrad if op == "wgrad" else hip_backend._run_rows
+    got = run(model, problem, gg.GroupedInputs(a, b, tuple(splits)))
+    call = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}[op]
+    want = call(a, b, splits, recipe="mxfp8", out_dtype=torch.float32, backend="reference")
+    assert model.k_outer == [k_outer]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -8,13 +8,16 @@ every op to that form:
 op      a (rows x contraction)             b (columns x contraction, per group)
 ======  =================================  ========================================
 fwd     x along K, as quantized            w along K, as quantized: (G, N, K)
-dgrad   dy along N, as quantized           w along N, transposed to (G, K, N)
-wgrad   dy along M per group, transposed   x along M per group, transposed: (K, M')
+dgrad   dy along N, as quantized           w along N, as quantized: (G, N, K), k-outer
+wgrad   dy along M per group, k-outer      x along M per group, k-outer: (M', K)
 ======  =================================  ========================================
 
-The transposes are one extra read and write of an fp8 operand per call (``torch``
-copies on the device, no sync). Contraction lengths that are not multiples of 32 are
-zero-padded by the quantizer (``pad=True``); wgrad pads every group's tokens to 32.
+A k-outer operand (contraction along its first axis) is read as it is and transposed in
+shared memory by the kernel; that needs its other axis to be whole 16-byte lines (K for
+dgrad, N and K for wgrad). Where it is not, the operand is transposed by a ``torch`` copy
+on the device first (no sync; the 1-byte copy is slow: on the H200 it cost dgrad most of
+its time). Contraction lengths that are not multiples of 32 are zero-padded by the
+quantizer (``pad=True``); wgrad pads every group's tokens to 32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 #: Output rows per tile of the rows kernel (mxfp8_grouped.cuh: BM).
 TILE_ROWS = 128
 BLOCK = 32
+#: A k-outer operand is copied in 16-byte lines along its rows (csrc: load_codes).
+K_OUTER_LINE = 16
 #: Where the mma.sync path runs; gfx950 runs the portable inner product (see the docs).
 MMA_SYNC_ARCHS = ("sm_89", "sm_90")
 #: The HipKittens gfx950 MXFP8 grouped GEMM contract (ROCm TransformerEngine PR 661),
@@ -249,15 +254,17 @@ def _run_rows(module: object, problem: Problem, inputs: GroupedInputs) -> torch.
         raise InvalidArgumentError(
             "w", w, f"a padded contraction length equal to the activation's ({a.data.shape[1]}); pad both alike"
         )
-    if problem.op == "fwd":
+    # dgrad's weight, (G, N', K) blocked along N, is k-outer: read as it is where K allows.
+    k_outer = problem.op == "dgrad" and w.data.shape[2] % K_OUTER_LINE == 0
+    if problem.op == "fwd" or k_outer:
         w_data, w_scale = _aligned(w.data), _aligned(w.scale)
-    else:  # (G, N', K) blocked along N -> contraction-major (G, K, N')
+    else:  # -> contraction-major (G, K, N')
         w_data, w_scale = _aligned(w.data.transpose(1, 2)), _aligned(w.scale.transpose(1, 2))
     ends = inputs.offsets(out.device)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     tile_ends = torch.cumsum((sizes + TILE_ROWS - 1) // TILE_ROWS, 0, dtype=torch.int32)
     max_tiles = -(-problem.m // TILE_ROWS) + problem.groups
-    module.rows_gemm(_aligned(a.data), _aligned(a.scale), w_data, w_scale, ends, tile_ends, max_tiles, out)
+    module.rows_gemm(_aligned(a.data), _aligned(a.scale), w_data, w_scale, ends, tile_ends, max_tiles, out, k_outer)
     return out
 
 
@@ -283,13 +290,7 @@ def _run_wgrad(module: object, problem: Problem, inputs: GroupedInputs) -> torch
     if problem.m == 0:
         return out if problem.accumulate else out.zero_()
     dy, x, token_ends = _token_major(problem, inputs, device)
-    module.wgrad_gemm(
-        _aligned(dy.data.t()),
-        _aligned(dy.scale.t()),
-        _aligned(x.data.t()),
-        _aligned(x.scale.t()),
-        token_ends,
-        out,
-        problem.accumulate,
-    )
+    k_outer = dy.data.shape[1] % K_OUTER_LINE == 0 and x.data.shape[1] % K_OUTER_LINE == 0
+    operands = (dy.data, dy.scale, x.data, x.scale) if k_outer else (dy.data.t(), dy.scale.t(), x.data.t(), x.scale.t())
+    module.wgrad_gemm(*(_aligned(t) for t in operands), token_ends, out, problem.accumulate, k_outer)
     return out
