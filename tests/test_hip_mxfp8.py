@@ -140,6 +140,27 @@ def test_prequantized_operands_and_nan_scale(op, gen):
     assert sqnr_db(got[keep], want[keep]) >= MIN_SQNR
 
 
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_scale_spread_at_and_past_the_prescaled_limit(op, gen):
+    """A tile whose rows' scales span 15 binades takes the prescaled path, 16 the per-block one.
+    Block 0's codes are zeroed under the largest scale, so every product comes from blocks at
+    2^-15 (or 2^-16) of it: one flushed or mis-scaled fragment shows as a large error."""
+    groups, m, n, k = 2, 256, 128, 256
+    splits = [128, 128]
+    a, w = _operands(op, groups, m, n, k, gen)
+    aq = quantize_mx(a, "e4m3", axis=1)
+    wq = quantize_mx_weight(w, "e4m3", op=op)
+    aq.scale.fill_(120)
+    aq.data[:, :32] = 0
+    aq.scale[:128, 0] = 135  # group 0's tile: a spread of 15
+    aq.scale[128:, 0] = 136  # group 1's tile: 16
+    want = _call(op, aq, wq, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call(op, aq, wq, splits, "mxfp8", NAME, out=_out(op, groups, m, n, k, torch.float32))
+    assert want.abs().amax() > 0
+    for rows in (slice(0, 128), slice(128, 256)):
+        assert sqnr_db(got[rows], want[rows]) >= MIN_SQNR
+
+
 def test_all_groups_empty():
     x = torch.empty(0, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(3, 128, 256, device=DEVICE, dtype=torch.bfloat16)

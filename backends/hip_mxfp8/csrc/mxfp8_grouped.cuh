@@ -17,8 +17,17 @@
 // Scale byte 255 is NaN; byte 0 is 2^-127.
 //
 // Inner product per target:
-//   sm_89 and newer (not GG_MXFP8_PORTABLE): mma.sync m16n8k32 e4m3 x e4m3 -> f32, one MX block
-//   of K per instruction, promoted into fp32 accumulators with the two block scales.
+//   sm_89 and newer (not GG_MXFP8_PORTABLE), two paths chosen per output tile:
+//   - prescaled (when every row of the tile's two operands has block scales within 15 binades
+//     of its largest over the whole contraction): fragments are converted to f16 and multiplied
+//     by 2^(scale - row's largest scale), which is exact (an E4M3 value times 2^-15 or more is
+//     still an f16 value); f16 mma.sync m16n8k16 then accumulates every MX block into one fp32
+//     accumulator, and the two rows' largest scales are applied once at the end. Per-block
+//     promotion (an FADD, FMUL and FFMA per accumulator per block) was most of the
+//     instructions issued by the kernel, which was issue- and latency-bound (Nsight Compute,
+//     docs/performance.md).
+//   - exact per block (wider spreads, NaN scales): mma.sync m16n8k32 e4m3 x e4m3 -> f32, one
+//     MX block of K per instruction, promoted into fp32 accumulators with the two block scales.
 //   everything else (ROCm, or GG_MXFP8_PORTABLE on CUDA): the same fragments computed by each
 //   thread with exact software E4M3 decoding and fp32 FMAs (slow, portable).
 #pragma once
@@ -45,6 +54,10 @@
 #ifndef GG_MXFP8_KB_UNROLL
 #define GG_MXFP8_KB_UNROLL 1
 #endif
+// 0 turns the prescaled path off (A/B builds against the per-block path).
+#ifndef GG_MXFP8_PRESCALE
+#define GG_MXFP8_PRESCALE 1
+#endif
 
 namespace gg_mxfp8 {
 
@@ -67,8 +80,12 @@ constexpr int TILE_BYTES = BM * PITCH;              // one operand's codes in on
 constexpr int CHUNKS_PER_THREAD = BM * BK / 16 / THREADS;
 constexpr int SCALES_PER_THREAD = BM * KB_PER_TILE / THREADS;
 constexpr int BLOCKS4_PER_THREAD = BM * BK / 16 / THREADS;  // 4x4-byte blocks transposed a stage
+constexpr bool PRESCALE = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE;
+constexpr int MAX_SPREAD = 15;       // binades below a row's largest scale the prescaled path takes
+constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its codes are zeros)
 
 static_assert(BM == BN && BK == BM, "one chunk map and one square transpose serve both operands");
+static_assert(BM + BN == THREADS, "one thread per operand row finds the row's scale range");
 static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
 
 // One operand: E4M3 codes and their E8M0 scale bytes (see the layouts above). `gdata` and
@@ -122,12 +139,13 @@ struct OutStore<uint16_t> {
 
 // One pipeline stage in shared memory: both operands' codes as [row][contraction byte]
 // (a k-outer operand lands here as [contraction byte][row] and is transposed into `work`),
-// and the block scales as floats, [MX block][row].
+// and the block scales, [MX block][row]: fp32 bits on the per-block path, an f16x2 pair of
+// 2^(scale - row's largest) on the prescaled path.
 struct Stage {
   uint8_t a[TILE_BYTES];
   uint8_t b[TILE_BYTES];
-  float sa[KB_PER_TILE][BM];
-  float sb[KB_PER_TILE][BN];
+  uint32_t sa[KB_PER_TILE][BM];
+  uint32_t sb[KB_PER_TILE][BN];
 };
 
 // Dynamic shared memory of a launch: the stages, then one transpose buffer per k-outer operand.
@@ -188,26 +206,64 @@ __device__ __forceinline__ void scale_slot(const Operand& op, int i, int& r, int
 }
 
 // The stage's scale bytes, loaded into registers (E8M0 bytes need no 4-byte alignment, which
-// cp.async would); 1.0 outside the operand.
+// cp.async would); NO_SCALE outside the operand.
 __device__ __forceinline__ void load_scales(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
-                                            float (&scale)[SCALES_PER_THREAD]) {
+                                            uint32_t (&scale)[SCALES_PER_THREAD]) {
 #pragma unroll
   for (int i = 0; i < SCALES_PER_THREAD; ++i) {
     int r, kb;
     scale_slot(op, i, r, kb);
     const bool valid = r < rows && kb0 + kb < kb_end;
-    scale[i] = valid ? e8m0_value(op.scale[(row0 + r) * op.srow + (kb0 + kb) * op.skb]) : 1.0f;
+    scale[i] = valid ? op.scale[(row0 + r) * op.srow + (kb0 + kb) * op.skb] : NO_SCALE;
   }
 }
 
-__device__ __forceinline__ void store_scales(const Operand& op, float (&dst)[KB_PER_TILE][BM],
-                                             const float (&scale)[SCALES_PER_THREAD]) {
+// f16x2 bits of the pair (2^e, 2^e), e in [-MAX_SPREAD, 0]: normal down to 2^-14, 2^-15 subnormal.
+__device__ __forceinline__ uint32_t pow2_f16x2(int e) {
+  const uint32_t h = e >= -14 ? static_cast<uint32_t>(e + 15) << 10 : 0x0200u;
+  return h | (h << 16);
+}
+
+// Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
+// operand), or 2^(s - the row's largest scale `ref[r]`) as f16x2 (prescaled path).
+__device__ __forceinline__ void store_scales(const Operand& op, uint32_t (&dst)[KB_PER_TILE][BM],
+                                             const uint32_t (&scale)[SCALES_PER_THREAD], const int32_t* ref,
+                                             bool prescaled) {
 #pragma unroll
   for (int i = 0; i < SCALES_PER_THREAD; ++i) {
     int r, kb;
     scale_slot(op, i, r, kb);
-    dst[kb][r] = scale[i];
+    const uint32_t s = scale[i];
+    if (prescaled)
+      dst[kb][r] = s == NO_SCALE ? pow2_f16x2(0) : pow2_f16x2(static_cast<int>(s) - ref[r]);
+    else
+      dst[kb][r] = s == NO_SCALE ? __float_as_uint(1.0f) : __float_as_uint(e8m0_value(s));
   }
+}
+
+// Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's rows,
+// then B's; 0 for rows outside the operands), and whether every row's scales lie within
+// MAX_SPREAD binades of it: the condition of the prescaled path, decided for the whole tile.
+__device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, int a_rows, const Operand& b,
+                                             int64_t b_row0, int b_rows, int64_t kb_begin, int64_t kb_end,
+                                             int32_t* ref) {
+  const int tid = threadIdx.x;
+  const bool is_a = tid < BM;
+  const int r = is_a ? tid : tid - BM;
+  const int64_t row = (is_a ? a_row0 : b_row0) + r;
+  const int64_t skb = is_a ? a.skb : b.skb;
+  int lo = 255, hi = 0;
+  if (r < (is_a ? a_rows : b_rows)) {
+    const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
+#pragma unroll 4
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+      const int s = p[kb * skb];
+      lo = min(lo, s);
+      hi = max(hi, s);
+    }
+  }
+  ref[tid] = hi;
+  return !__syncthreads_or(hi - lo > MAX_SPREAD);
 }
 
 // [contraction byte][row] -> [row][contraction byte], 4x4-byte blocks through registers.
@@ -239,6 +295,25 @@ __device__ __forceinline__ void ldmatrix_x4(const uint8_t* row, uint32_t (&r)[4]
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(p));
 }
+
+// Four E4M3 codes -> f16x2 of codes (0, 1) and of codes (2, 3), each pair times `mul` (f16x2):
+// the conversion is exact and so is the multiply by a power of two down to 2^-15.
+__device__ __forceinline__ void e4m3x4_to_f16_scaled(uint32_t codes, uint32_t mul, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n .reg .b32 fl, fh;\n mov.b32 {l, h}, %2;\n"
+      " cvt.rn.f16x2.e4m3x2 fl, l;\n cvt.rn.f16x2.e4m3x2 fh, h;\n"
+      " mul.rn.f16x2 %0, fl, %3;\n mul.rn.f16x2 %1, fh, %3;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(codes), "r"(mul));
+}
+
+// acc += A (16x16, f16) . B (16x8, f16), fp32 accumulation.
+__device__ __forceinline__ void mma_f16(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 #else
 // Exact E4M3 (OCP "fn": no infinities, S.1111.111 is NaN) -> fp32.
 __device__ __forceinline__ float e4m3_value(uint32_t code) {
@@ -264,12 +339,16 @@ __device__ __forceinline__ float block_dot(const uint8_t* a, const uint8_t* b) {
 }
 #endif
 
-// The math of one stage for this thread's fragments: for each MX block, the 16x8 block
-// products of every (row fragment, column fragment) pair in the m16n8k32 accumulator layout
-// (rows g and g+8, columns 2t and 2t+1 of the fragment), promoted into `acc` with the scales.
+// The math of one stage for this thread's fragments, for each MX block, over every (row
+// fragment, column fragment) pair in the m16n8k32 accumulator layout (rows g and g+8, columns
+// 2t and 2t+1 of the fragment). Prescaled: the codes, converted to f16 and multiplied by their
+// relative scales, accumulate straight into `acc` (see the header). Otherwise the block's
+// 16x8 products are promoted into `acc` with the two scales.
+template <bool Prescaled>
 __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_t* sb_codes,
-                                           const float (&sa_all)[KB_PER_TILE][BM],
-                                           const float (&sb_all)[KB_PER_TILE][BN], float (&acc)[FRAG_M][FRAG_N][4]) {
+                                           const uint32_t (&sa_all)[KB_PER_TILE][BM],
+                                           const uint32_t (&sb_all)[KB_PER_TILE][BN],
+                                           float (&acc)[FRAG_M][FRAG_N][4]) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int g = lane / 4;
@@ -278,18 +357,6 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
   const int wcol = (warp % (BN / WARP_N)) * WARP_N;
 #pragma unroll KB_UNROLL
   for (int kb = 0; kb < KB_PER_TILE; ++kb) {
-    float sa[FRAG_M][2];
-    float sb[FRAG_N][2];
-#pragma unroll
-    for (int mi = 0; mi < FRAG_M; ++mi) {
-      sa[mi][0] = sa_all[kb][wrow + mi * 16 + g];
-      sa[mi][1] = sa_all[kb][wrow + mi * 16 + g + 8];
-    }
-#pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni) {
-      sb[ni][0] = sb_all[kb][wcol + ni * 8 + 2 * t];
-      sb[ni][1] = sb_all[kb][wcol + ni * 8 + 2 * t + 1];
-    }
 #if GG_MXFP8_MMA_SYNC
     // A: matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31) = a0, a1, a2, a3 of m16n8k32.
     // B: two column fragments per load, (bytes 0-15, 16-31) of columns 0-7, then of 8-15.
@@ -310,7 +377,47 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
       bf[ni + 1][0] = r[2];
       bf[ni + 1][1] = r[3];
     }
+    if constexpr (Prescaled) {
+      // m16n8k32 register j holds 4 codes: A row g (j even) or g+8 (j odd), contraction bytes
+      // 4t..4t+3 (+16 for j >= 2); B column g, bytes 4t..4t+3 (+16 for j = 1). Split into
+      // f16 pairs (bytes 4t, 4t+1 | 4t+2, 4t+3), they are two m16n8k16 fragments whose k
+      // order is permuted alike in A and B, so the two f16 MMAs sum the same 32 products.
+      uint32_t bh[FRAG_N][4];
+#pragma unroll
+      for (int ni = 0; ni < FRAG_N; ++ni) {
+        const uint32_t mul = sb_all[kb][wcol + ni * 8 + g];
+        e4m3x4_to_f16_scaled(bf[ni][0], mul, bh[ni][0], bh[ni][1]);
+        e4m3x4_to_f16_scaled(bf[ni][1], mul, bh[ni][2], bh[ni][3]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < FRAG_M; ++mi) {
+        const uint32_t mul_top = sa_all[kb][wrow + mi * 16 + g];
+        const uint32_t mul_bottom = sa_all[kb][wrow + mi * 16 + g + 8];
+        uint32_t ah[8];  // (lo, hi) pairs of registers 0..3
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          e4m3x4_to_f16_scaled(af[mi][j], j % 2 ? mul_bottom : mul_top, ah[2 * j], ah[2 * j + 1]);
+#pragma unroll
+        for (int ni = 0; ni < FRAG_N; ++ni) {
+          mma_f16(acc[mi][ni], ah[0], ah[2], ah[1], ah[3], bh[ni][0], bh[ni][1]);
+          mma_f16(acc[mi][ni], ah[4], ah[6], ah[5], ah[7], bh[ni][2], bh[ni][3]);
+        }
+      }
+      continue;
+    }
 #endif
+    float sa[FRAG_M][2];
+    float sb[FRAG_N][2];
+#pragma unroll
+    for (int mi = 0; mi < FRAG_M; ++mi) {
+      sa[mi][0] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g]);
+      sa[mi][1] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g + 8]);
+    }
+#pragma unroll
+    for (int ni = 0; ni < FRAG_N; ++ni) {
+      sb[ni][0] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t]);
+      sb[ni][1] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t + 1]);
+    }
 #pragma unroll
     for (int mi = 0; mi < FRAG_M; ++mi) {
 #pragma unroll
@@ -339,26 +446,22 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
   }
 }
 
-// acc = sum over MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows
-// [b_row0, +b_rows): a STAGES-deep pipeline of asynchronous copies, one barrier a stage
-// (two with a k-outer operand, whose tile is transposed before the math).
-template <bool AKOuter, bool BKOuter>
-__device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
-                                             const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                             int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
+// acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
+// +b_rows), on one path (see the header; `ref` holds the rows' largest scales): a STAGES-deep
+// pipeline of asynchronous copies, one barrier a stage (two with a k-outer operand, whose tile
+// is transposed before the math).
+template <bool AKOuter, bool BKOuter, bool Prescaled>
+__device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
+                                              int64_t kb_end, const int32_t* ref, float (&acc)[FRAG_M][FRAG_N][4]) {
   Stage* stages = reinterpret_cast<Stage*>(smem);
   uint8_t* work = smem + STAGES * sizeof(Stage);  // transposed k-outer tiles: A's, then B's
   uint8_t* work_a = work;
   uint8_t* work_b = work + (AKOuter ? TILE_BYTES : 0);
-#pragma unroll
-  for (int mi = 0; mi < FRAG_M; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+  const int32_t* ref_a = ref;
+  const int32_t* ref_b = ref + BM;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  if (tiles <= 0) return;
-  float scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
+  uint32_t scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < tiles) {
@@ -367,8 +470,8 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
       load_codes<BKOuter>(b, b_row0, b_rows, kb, kb_end, stages[s].b);
       load_scales(a, a_row0, a_rows, kb, kb_end, scale_a);
       load_scales(b, b_row0, b_rows, kb, kb_end, scale_b);
-      store_scales(a, stages[s].sa, scale_a);
-      store_scales(b, stages[s].sb, scale_b);
+      store_scales(a, stages[s].sa, scale_a, ref_a, Prescaled);
+      store_scales(b, stages[s].sb, scale_b, ref_b, Prescaled);
     }
     copy_commit();
   }
@@ -391,14 +494,50 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
       if (BKOuter) transpose_tile(current.b, work_b);
       __syncthreads();
     }
-    stage_math(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
+    stage_math<Prescaled>(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
     if (next < tiles) {  // the scale loads had the math to arrive
-      store_scales(a, upcoming.sa, scale_a);
-      store_scales(b, upcoming.sb, scale_b);
+      store_scales(a, upcoming.sa, scale_a, ref_a, Prescaled);
+      store_scales(b, upcoming.sb, scale_b, ref_b, Prescaled);
     }
   }
   copy_wait<0>();
+  if constexpr (Prescaled) {  // the rows' largest scales, in the per-block path's order
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int wrow = (warp / (BN / WARP_N)) * WARP_M + lane / 4;
+    const int wcol = (warp % (BN / WARP_N)) * WARP_N + 2 * (lane % 4);
+#pragma unroll
+    for (int mi = 0; mi < FRAG_M; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < FRAG_N; ++ni)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float sa = e8m0_value(ref_a[wrow + mi * 16 + (j / 2) * 8]);
+          const float sb = e8m0_value(ref_b[wcol + ni * 8 + (j % 2)]);
+          acc[mi][ni][j] = acc[mi][ni][j] * sa * sb;
+        }
+  }
   __syncthreads();  // the caller may reuse shared memory
+}
+
+// acc = the product of the tile's rows over MX blocks [kb_begin, kb_end), on the prescaled
+// path where the tile's scale ranges allow it.
+template <bool AKOuter, bool BKOuter>
+__device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                             const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
+                                             int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
+  __shared__ int32_t ref[BM + BN];
+#pragma unroll
+  for (int mi = 0; mi < FRAG_M; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < FRAG_N; ++ni)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+  if (kb_end <= kb_begin) return;
+  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref))
+    tile_pipeline<AKOuter, BKOuter, PRESCALE>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+  else
+    tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
 }
 
 // Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
