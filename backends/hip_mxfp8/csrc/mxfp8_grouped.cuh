@@ -255,7 +255,7 @@ __device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, i
   int lo = 255, hi = 0;
   if (r < (is_a ? a_rows : b_rows)) {
     const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
-#pragma unroll 4
+#pragma unroll 16  // sixteen loads in flight: a tile waits on this before its first stage
     for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
       const int s = p[kb * skb];
       lo = min(lo, s);
