@@ -403,47 +403,64 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
           mma_f16(acc[mi][ni], ah[4], ah[6], ah[5], ah[7], bh[ni][2], bh[ni][3]);
         }
       }
-      continue;
     }
 #endif
-    float sa[FRAG_M][2];
-    float sb[FRAG_N][2];
+    if constexpr (!Prescaled) {
+      float sa[FRAG_M][2];
+      float sb[FRAG_N][2];
 #pragma unroll
-    for (int mi = 0; mi < FRAG_M; ++mi) {
-      sa[mi][0] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g]);
-      sa[mi][1] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g + 8]);
-    }
-#pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni) {
-      sb[ni][0] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t]);
-      sb[ni][1] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t + 1]);
-    }
-#pragma unroll
-    for (int mi = 0; mi < FRAG_M; ++mi) {
+      for (int mi = 0; mi < FRAG_M; ++mi) {
+        sa[mi][0] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g]);
+        sa[mi][1] = __uint_as_float(sa_all[kb][wrow + mi * 16 + g + 8]);
+      }
 #pragma unroll
       for (int ni = 0; ni < FRAG_N; ++ni) {
-        float d[4];
+        sb[ni][0] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t]);
+        sb[ni][1] = __uint_as_float(sb_all[kb][wcol + ni * 8 + 2 * t + 1]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < FRAG_M; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < FRAG_N; ++ni) {
+          float d[4];
 #if GG_MXFP8_MMA_SYNC
-        asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%10, %11, %12, %13};\n"
-            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-            : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]), "r"(bf[ni][1]),
-              "f"(0.0f), "f"(0.0f), "f"(0.0f), "f"(0.0f));
+          asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+              "{%10, %11, %12, %13};\n"
+              : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+              : "r"(af[mi][0]), "r"(af[mi][1]), "r"(af[mi][2]), "r"(af[mi][3]), "r"(bf[ni][0]), "r"(bf[ni][1]),
+                "f"(0.0f), "f"(0.0f), "f"(0.0f), "f"(0.0f));
 #else
-        const uint8_t* top = sa_codes + (wrow + mi * 16 + g) * PITCH + kb * MX_BLOCK;
-        const uint8_t* col = sb_codes + (wcol + ni * 8 + 2 * t) * PITCH + kb * MX_BLOCK;
-        d[0] = block_dot(top, col);
-        d[1] = block_dot(top, col + PITCH);
-        d[2] = block_dot(top + 8 * PITCH, col);
-        d[3] = block_dot(top + 8 * PITCH, col + PITCH);
+          const uint8_t* top = sa_codes + (wrow + mi * 16 + g) * PITCH + kb * MX_BLOCK;
+          const uint8_t* col = sb_codes + (wcol + ni * 8 + 2 * t) * PITCH + kb * MX_BLOCK;
+          d[0] = block_dot(top, col);
+          d[1] = block_dot(top, col + PITCH);
+          d[2] = block_dot(top + 8 * PITCH, col);
+          d[3] = block_dot(top + 8 * PITCH, col + PITCH);
 #endif
-        acc[mi][ni][0] = fmaf(d[0] * sa[mi][0], sb[ni][0], acc[mi][ni][0]);
-        acc[mi][ni][1] = fmaf(d[1] * sa[mi][0], sb[ni][1], acc[mi][ni][1]);
-        acc[mi][ni][2] = fmaf(d[2] * sa[mi][1], sb[ni][0], acc[mi][ni][2]);
-        acc[mi][ni][3] = fmaf(d[3] * sa[mi][1], sb[ni][1], acc[mi][ni][3]);
+          acc[mi][ni][0] = fmaf(d[0] * sa[mi][0], sb[ni][0], acc[mi][ni][0]);
+          acc[mi][ni][1] = fmaf(d[1] * sa[mi][0], sb[ni][1], acc[mi][ni][1]);
+          acc[mi][ni][2] = fmaf(d[2] * sa[mi][1], sb[ni][0], acc[mi][ni][2]);
+          acc[mi][ni][3] = fmaf(d[3] * sa[mi][1], sb[ni][1], acc[mi][ni][3]);
+        }
       }
     }
   }
+}
+
+// f(element, tile row, tile column) for each of this thread's accumulators, in the m16n8
+// accumulator layout: rows g and g+8, columns 2t and 2t+1 of each fragment.
+template <typename Acc, typename F>
+__device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wrow = (warp / (BN / WARP_N)) * WARP_M + lane / 4;
+  const int wcol = (warp % (BN / WARP_N)) * WARP_N + 2 * (lane % 4);
+#pragma unroll
+  for (int mi = 0; mi < FRAG_M; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < FRAG_N; ++ni)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f(acc[mi][ni][j], wrow + mi * 16 + (j / 2) * 8, wcol + ni * 8 + (j % 2));
 }
 
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
@@ -501,22 +518,8 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
     }
   }
   copy_wait<0>();
-  if constexpr (Prescaled) {  // the rows' largest scales, in the per-block path's order
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int wrow = (warp / (BN / WARP_N)) * WARP_M + lane / 4;
-    const int wcol = (warp % (BN / WARP_N)) * WARP_N + 2 * (lane % 4);
-#pragma unroll
-    for (int mi = 0; mi < FRAG_M; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < FRAG_N; ++ni)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float sa = e8m0_value(ref_a[wrow + mi * 16 + (j / 2) * 8]);
-          const float sb = e8m0_value(ref_b[wcol + ni * 8 + (j % 2)]);
-          acc[mi][ni][j] = acc[mi][ni][j] * sa * sb;
-        }
-  }
+  if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
+    for_each_acc(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
   __syncthreads();  // the caller may reuse shared memory
 }
 
@@ -545,25 +548,13 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
 template <typename OutT>
 __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4], OutT* out, int64_t ldo, int rows,
                                            int cols, bool accumulate) {
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int wrow = (warp / (BN / WARP_N)) * WARP_M + lane / 4;
-  const int wcol = (warp % (BN / WARP_N)) * WARP_N + 2 * (lane % 4);
-#pragma unroll
-  for (int mi = 0; mi < FRAG_M; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = wrow + mi * 16 + (j / 2) * 8;
-        const int c = wcol + ni * 8 + (j % 2);
-        if (r < rows && c < cols) {
-          OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
-          float v = acc[mi][ni][j];
-          if (accumulate) v += OutStore<OutT>::load(dst);
-          OutStore<OutT>::store(dst, v);
-        }
-      }
+  for_each_acc(acc, [&](float v, int r, int c) {
+    if (r < rows && c < cols) {
+      OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
+      if (accumulate) v += OutStore<OutT>::load(dst);
+      OutStore<OutT>::store(dst, v);
+    }
+  });
 }
 
 // fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
