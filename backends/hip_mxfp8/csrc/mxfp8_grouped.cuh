@@ -12,9 +12,9 @@
 //                               over ragged row groups, tile schedule from device offsets.
 //   wgrad_kernel             : out[g, n, c] = sum_{t in group g} A[n, t] * B[c, t]
 //                               contraction range per group from device offsets.
-// Per MX block of 32: partial = block dot product of the codes (exact products, fp32 sums),
-// then acc += partial * 2^(sa-127) * 2^(sb-127): the reference's dequantize-then-multiply.
-// Scale byte 255 is NaN; byte 0 is 2^-127.
+// The value: sum over MX blocks of 32 of (block dot product of the codes) * 2^(sa-127) *
+// 2^(sb-127), the reference's dequantize-then-multiply, in fp32 (the paths below differ only
+// in rounding order). Scale byte 255 is NaN; byte 0 is 2^-127.
 //
 // Inner product per target:
 //   sm_89 and newer (not GG_MXFP8_PORTABLE), two paths chosen per output tile:
@@ -45,9 +45,9 @@
 #define GG_MXFP8_MMA_SYNC 0
 #endif
 
-// Tuning knobs for A/B builds (the defaults are not yet timed against others): pipeline
-// depth, and MX blocks of a stage whose fragment loads are scheduled together (2 and 4
-// spill at 255 registers with nvcc 13.0).
+// Tuning knobs for A/B builds: pipeline depth (4 was no faster than 3 on the H200,
+// 2026-12-05, docs/performance.md), and MX blocks of a stage whose fragment loads are
+// scheduled together (2 and 4 spill at 255 registers with nvcc 13.0).
 #ifndef GG_MXFP8_STAGES
 #define GG_MXFP8_STAGES 3
 #endif
@@ -530,12 +530,7 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                              int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
   __shared__ int32_t ref[BM + BN];
-#pragma unroll
-  for (int mi = 0; mi < FRAG_M; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+  for_each_acc(acc, [](float& v, int, int) { v = 0.0f; });
   if (kb_end <= kb_begin) return;
   if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref))
     tile_pipeline<AKOuter, BKOuter, PRESCALE>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
