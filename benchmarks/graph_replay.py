@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm.bench.timing import back_to_back_ms
 
 #: (name, G, K, N, tokens): a decode-sized step (host-bound eagerly) and a training-sized one.
 SHAPES = (
@@ -40,17 +41,6 @@ def _step(layer: gg.GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: to
         return torch.autograd.grad(layer(x, splits), params, dy)
 
     return run
-
-
-def _per_call_ms(fn: Callable[[], Any], calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def _kernel_ms(fn: Callable[[], Any]) -> float:
@@ -86,8 +76,8 @@ def one(recipe: str, shape: tuple, calls: int, rounds: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"kernels": [], "eager": [], "graph": []}
     for _ in range(rounds):  # interleaved, so clock drift hits all three alike
         samples["kernels"].append(_kernel_ms(eager))
-        samples["eager"].append(_per_call_ms(eager, calls))
-        samples["graph"].append(_per_call_ms(graph.replay, calls))
+        samples["eager"].append(back_to_back_ms(eager, calls))
+        samples["graph"].append(back_to_back_ms(graph.replay, calls))
     row = {"recipe": recipe, "shape": name, **{key: sorted(v)[len(v) // 2] for key, v in samples.items()}}
     row["graph_vs_kernels"] = row["graph"] / row["kernels"]
     return row

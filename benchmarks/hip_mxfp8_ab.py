@@ -25,6 +25,7 @@ from torch.utils import cpp_extension
 
 import grouped_gemm as gg
 from grouped_gemm.bench.shapes import select_cases
+from grouped_gemm.bench.timing import back_to_back_ms
 from grouped_gemm.mx import quantize_mx, quantize_mx_weight
 
 p = argparse.ArgumentParser()
@@ -147,16 +148,6 @@ def runner(name, mod, d, op):
     return lambda: mod.rows_gemm(ad, asc, d["wd"], d["ws"], d["ends"], d["tile_ends"], d["max_tiles"], d["out"], False)
 
 
-def time_fn(fn, reps):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
-
-
 def interleaved(fns):
     for f in fns.values():
         for _ in range(3):
@@ -166,7 +157,7 @@ def interleaved(fns):
     for r in range(args.rounds):
         for n in names[r % len(names) :] + names[: r % len(names)]:
             fns[n]()
-            times[n].append(time_fn(fns[n], args.reps))
+            times[n].append(back_to_back_ms(fns[n], args.reps))
     return {n: statistics.median(v) for n, v in times.items()}
 
 

@@ -157,5 +157,19 @@ def time_calls(fn: Call, sets: int, device: torch.device, plan: TimingPlan) -> l
     return timed.times_ms
 
 
+def back_to_back_ms(fn: Callable[[], object], calls: int) -> float:
+    """Per-call ms of ``calls`` back-to-back calls of ``fn`` between one pair of CUDA events:
+    a stream of launches timed as a whole (a graph replay, a kernel A/B), where
+    ``time_in_rounds``'s event pair around each call would time each launch alone."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def median(times: list[float]) -> float:
     return statistics.median(times)
