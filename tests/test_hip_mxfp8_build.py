@@ -23,6 +23,7 @@ from grouped_gemm import cli
 from grouped_gemm.backends.hip_mxfp8 import backend as hip_backend
 from grouped_gemm.backends.hip_mxfp8 import build
 from grouped_gemm.backends.hip_mxfp8.backend import HipMxfp8Backend
+from grouped_gemm.mx.tensor import decode_scales
 
 CUDA_TORCH = torch.version.cuda is not None and torch.cuda.is_available()
 
@@ -337,9 +338,7 @@ def test_the_build_waits_for_prepare(cache, monkeypatch, builds):
 
 def _decoded(data: torch.Tensor, scale: torch.Tensor, block_axis: int) -> torch.Tensor:
     """E4M3 codes times their E8M0 block scales (byte 255: NaN), in float64."""
-    scale = torch.exp2(scale.double() - 127).masked_fill(scale == 255, float("nan"))
-    scale = scale.repeat_interleave(32, dim=block_axis)
-    return data.double() * scale
+    return data.double() * decode_scales(scale).double().repeat_interleave(32, dim=block_axis)
 
 
 class _KernelModel:
