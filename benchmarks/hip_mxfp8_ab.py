@@ -52,7 +52,7 @@ def _build(name, path, defs):
         extra_cuda_cflags=[
             "-O3",
             "-std=c++17",
-            "-gencode=arch=compute_90,code=sm_90",
+            "-gencode=arch=compute_90a,code=sm_90a",
             *[f"-D{x}" for x in defs.split("+") if x],
         ],
         build_directory=_dir(name),

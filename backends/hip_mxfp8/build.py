@@ -120,9 +120,10 @@ def blocker(vendor: str) -> str | None:
 
 
 def arch_flags(arch: str) -> list[str]:
-    """Compiler flags for one target: ``sm_90`` -> its SASS; ``gfx950`` -> ``--offload-arch``."""
+    """Compiler flags for one target: ``sm_89`` -> its SASS; ``sm_90`` -> sm_90a's (the
+    prescaled path's wgmma exists only there); ``gfx950`` -> ``--offload-arch``."""
     if arch.startswith("sm_"):
-        cc = arch[3:]
+        cc = arch[3:] + ("a" if arch == "sm_90" else "")
         return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
     return [f"--offload-arch={arch}"]
 

@@ -2,10 +2,15 @@
 // launch on the current stream, and the Python module. The Python side
 // (grouped_gemm.backends.hip_mxfp8) lays the operands out; these checks only guard the
 // kernels' memory assumptions.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "mxfp8_grouped.cuh"
 
@@ -60,17 +65,31 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
               name, " must be a contiguous int32 GPU tensor of ", groups, " group ends");
 }
 
-// Raise the kernel's dynamic shared-memory limit to what this launch asks (above the 48 KiB default).
+// Dynamic shared memory of a launch on the current device: sm_90 runs the prescaled path on
+// wgmma (built for sm_90a), which needs its f16 buffers.
+int launch_smem(int kouter_operands) {
+  return gg_mxfp8::smem_bytes(kouter_operands,
+                              gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9);
+}
+
+// Raise the kernel's dynamic shared-memory limit to what this launch asks (above the 48 KiB
+// default), once per kernel and device.
 template <typename Kernel>
 void allow_smem(Kernel kernel, int bytes) {
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
+  const std::lock_guard<std::mutex> hold(lock);
+  int& done = allowed[{reinterpret_cast<const void*>(kernel), c10::cuda::current_device()}];
+  if (done == bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done = bytes;
 }
 
 template <typename OutT, bool BKOuter>
 void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& row_ends,
                  const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, OutT* out) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
-  const int smem = gg_mxfp8::smem_bytes(BKOuter ? 1 : 0);
+  const int smem = launch_smem(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
                                                     groups, ncols, kblocks, out);
@@ -80,7 +99,7 @@ template <typename OutT, bool KOuter>
 void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& pad_ends,
                   int nrows, int ncols, OutT* out, bool accumulate) {
   const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
-  const int smem = gg_mxfp8::smem_bytes(KOuter ? 2 : 0);
+  const int smem = launch_smem(KOuter ? 2 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, out, accumulate);
 }
@@ -104,9 +123,10 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   check_ends(row_ends, groups, "row_ends");
   check_ends(tile_ends, groups, "tile_ends");
   if (a_data.size(0) == 0 || ncols == 0 || max_tiles <= 0) return;
-  TORCH_CHECK(max_tiles < (int64_t{1} << 31) && ncols < (int64_t{1} << 31), "problem too large for one launch");
+  const int64_t blocks = max_tiles * ((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN);
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "problem too large for one launch: ", blocks, " tiles");
   const c10::cuda::CUDAGuard guard(a_data.device());
-  const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN));
+  const dim3 grid(static_cast<unsigned>(blocks));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t kblocks = a.len / gg_mxfp8::MX_BLOCK;
   const int g = static_cast<int>(groups), c = static_cast<int>(ncols);

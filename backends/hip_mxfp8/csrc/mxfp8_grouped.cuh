@@ -58,6 +58,17 @@
 #ifndef GG_MXFP8_PRESCALE
 #define GG_MXFP8_PRESCALE 1
 #endif
+// 0 keeps the prescaled path on mma.sync on sm_90a (A/B builds against wgmma).
+#ifndef GG_MXFP8_WGMMA
+#define GG_MXFP8_WGMMA 1
+#endif
+// Whether this compilation's device code runs the prescaled path on wgmma (sm_90a only; the
+// host pass sizes shared memory from the device's compute capability instead).
+#if GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GG_MXFP8_WGMMA_HERE 1
+#else
+#define GG_MXFP8_WGMMA_HERE 0
+#endif
 
 namespace gg_mxfp8 {
 
@@ -83,6 +94,15 @@ constexpr int BLOCKS4_PER_THREAD = BM * BK / 16 / THREADS;  // 4x4-byte blocks t
 constexpr bool PRESCALE = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE;
 constexpr int MAX_SPREAD = 15;       // binades below a row's largest scale the prescaled path takes
 constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its codes are zeros)
+
+// wgmma (sm_90a) reads the prescaled f16 operands from shared memory, half a stage at a time:
+// 64 contraction steps = one 128-byte row of the 128-byte swizzle, double-buffered.
+constexpr bool WGMMA_BUILD = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA;
+constexpr int HALF_K = BK / 2;
+constexpr int SWIZZLE_ROW = HALF_K * 2;                 // bytes: 64 f16
+constexpr int SWIZZLE_ATOM = 8 * SWIZZLE_ROW;           // 8 rows: the swizzle's period, and its alignment
+constexpr int F16_TILE = BM * SWIZZLE_ROW;              // one operand's f16 half-stage
+constexpr int WGMMA_BYTES = SWIZZLE_ATOM + 2 * 2 * F16_TILE;  // two buffers of (A, B), plus alignment slack
 
 static_assert(BM == BN && BK == BM, "one chunk map and one square transpose serve both operands");
 static_assert(BM + BN == THREADS, "one thread per operand row finds the row's scale range");
@@ -148,9 +168,12 @@ struct Stage {
   uint32_t sb[KB_PER_TILE][BN];
 };
 
-// Dynamic shared memory of a launch: the stages, then one transpose buffer per k-outer operand.
-constexpr int smem_bytes(int kouter_operands) {
-  return STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
+// Dynamic shared memory of a launch: the stages, then one region used either by one transpose
+// buffer per k-outer operand (per-block path) or by the wgmma path's f16 buffers (`wgmma`:
+// the device is sm_90 and the build has that path).
+constexpr int smem_bytes(int kouter_operands, bool wgmma) {
+  const int transposed = kouter_operands * TILE_BYTES;
+  return STAGES * static_cast<int>(sizeof(Stage)) + (wgmma && transposed < WGMMA_BYTES ? WGMMA_BYTES : transposed);
 }
 
 // 16 bytes global -> shared, zeros where `valid` is false. Asynchronous (cp.async, zero
@@ -178,68 +201,133 @@ __device__ __forceinline__ void copy_wait() {
 #endif
 }
 
-// Issue the copies of contraction blocks [kb0, kb0 + KB_PER_TILE) of rows [row0, row0 +
-// rows) into `dst`. Rows past `rows` and blocks at or past `kb_end` land as zeros.
-template <bool KOuter>
-__device__ __forceinline__ void load_codes(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
-                                           uint8_t* dst) {
-  const int tid = threadIdx.x;
-  const int64_t k_end = kb_end * MX_BLOCK;
-#pragma unroll
-  for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
-    const int c = tid + i * THREADS;
-    const int line = c / (BK / 16);         // a row (contraction-major) or a contraction step (k-outer)
-    const int byte = (c % (BK / 16)) * 16;  // along the line
-    const int64_t k = kb0 * MX_BLOCK + (KOuter ? line : byte);
-    const bool valid = k < k_end && (KOuter ? byte < rows : line < rows);
-    const uint8_t* src = valid ? op.data + (KOuter ? k * op.ld + row0 + byte : (row0 + line) * op.ld + k) : op.data;
-    copy16(dst + line * PITCH + byte, src, valid);
-  }
-}
-
-// The (row, MX block) of a stage whose scale the calling thread handles as its i-th: one map
-// for loading and storing, so neighbouring threads read neighbouring bytes in either layout.
-__device__ __forceinline__ void scale_slot(const Operand& op, int i, int& r, int& kb) {
-  const int e = threadIdx.x + i * THREADS;
-  r = op.srow == 1 ? e % BM : e / KB_PER_TILE;
-  kb = op.srow == 1 ? e / BM : e % KB_PER_TILE;
-}
-
-// The stage's scale bytes, loaded into registers (E8M0 bytes need no 4-byte alignment, which
-// cp.async would); NO_SCALE outside the operand.
-__device__ __forceinline__ void load_scales(const Operand& op, int64_t row0, int rows, int64_t kb0, int64_t kb_end,
-                                            uint32_t (&scale)[SCALES_PER_THREAD]) {
-#pragma unroll
-  for (int i = 0; i < SCALES_PER_THREAD; ++i) {
-    int r, kb;
-    scale_slot(op, i, r, kb);
-    const bool valid = r < rows && kb0 + kb < kb_end;
-    scale[i] = valid ? op.scale[(row0 + r) * op.srow + (kb0 + kb) * op.skb] : NO_SCALE;
-  }
-}
-
 // f16x2 bits of the pair (2^e, 2^e), e in [-MAX_SPREAD, 0]: normal down to 2^-14, 2^-15 subnormal.
 __device__ __forceinline__ uint32_t pow2_f16x2(int e) {
   const uint32_t h = e >= -14 ? static_cast<uint32_t>(e + 15) << 10 : 0x0200u;
   return h | (h << 16);
 }
 
-// Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
-// operand), or 2^(s - the row's largest scale `ref[r]`) as f16x2 (prescaled path).
-__device__ __forceinline__ void store_scales(const Operand& op, uint32_t (&dst)[KB_PER_TILE][BM],
-                                             const uint32_t (&scale)[SCALES_PER_THREAD], const int32_t* ref,
-                                             bool prescaled) {
+// The calling thread's share of one operand's pipeline stages, addressed once per tile (64-bit
+// addresses recomputed for every copy and scale byte were a third of the wgmma path's main
+// loop, by its SASS). Codes: the thread's chunk i of 16 bytes is line tid / 8 + 32 i of the
+// stage (a row, or a contraction step if KOuter), at byte (tid % 8) * 16 of the line. Scales:
+// slot i is (row r0 + i dr, MX block kb0 + i dkb) of the stage, one map for loading and
+// storing, so neighbouring threads read neighbouring bytes in either scale layout.
+template <bool KOuter>
+struct StageLoader {
+  static constexpr int LINES_APART = THREADS / (BK / 16);
+  const uint8_t* code;   // chunk 0 at MX block 0
+  const uint8_t* any;    // a readable address for the zero-filled copies
+  int64_t code_kb;       // bytes per MX block along the contraction
+  int64_t code_chunk;    // bytes between the thread's chunks
+  int64_t kb_end;
+  uint32_t inside;       // bit i: chunk i's rows lie inside the operand
+  int k0;                // chunk 0's contraction step within a stage
+  int rows;
+  const uint8_t* scale;  // slot 0 at MX block 0
+  int64_t scale_kb, scale_slot;
+  int r0, dr, kb0, dkb;
+
+  __device__ __forceinline__ StageLoader(const Operand& op, int64_t row0, int rows_, int64_t kb_end_)
+      : any(op.data), kb_end(kb_end_), inside(0), rows(rows_) {
+    const int tid = threadIdx.x;
+    const int line = tid / (BK / 16);
+    const int byte = (tid % (BK / 16)) * 16;
+    code_chunk = LINES_APART * op.ld;
+    code = KOuter ? op.data + line * op.ld + row0 + byte : op.data + (row0 + line) * op.ld + byte;
+    code_kb = KOuter ? MX_BLOCK * op.ld : MX_BLOCK;
+    k0 = KOuter ? line : byte;
 #pragma unroll
-  for (int i = 0; i < SCALES_PER_THREAD; ++i) {
-    int r, kb;
-    scale_slot(op, i, r, kb);
-    const uint32_t s = scale[i];
-    if (prescaled)
-      dst[kb][r] = s == NO_SCALE ? pow2_f16x2(0) : pow2_f16x2(static_cast<int>(s) - ref[r]);
-    else
-      dst[kb][r] = s == NO_SCALE ? __float_as_uint(1.0f) : __float_as_uint(e8m0_value(s));
+    for (int i = 0; i < CHUNKS_PER_THREAD; ++i)
+      inside |= static_cast<uint32_t>(KOuter ? byte < rows : line + i * LINES_APART < rows) << i;
+    const bool by_row = op.srow == 1;  // scale bytes of neighbouring rows adjacent
+    r0 = by_row ? tid % BM : tid / KB_PER_TILE;
+    dr = by_row ? 0 : THREADS / KB_PER_TILE;
+    kb0 = by_row ? tid / BM : tid % KB_PER_TILE;
+    dkb = by_row ? THREADS / BM : 0;
+    scale = op.scale + (row0 + r0) * op.srow + kb0 * op.skb;
+    scale_kb = op.skb;
+    scale_slot = dr * op.srow + dkb * op.skb;
   }
-}
+
+  // Issue the copies of MX blocks [kb, kb + KB_PER_TILE) into `dst`. Rows outside the operand
+  // and blocks at or past kb_end land as zeros.
+  __device__ __forceinline__ void copy_codes(int64_t kb, uint8_t* dst) const {
+    const int tid = threadIdx.x;
+    const uint8_t* src = code + kb * code_kb;
+    uint8_t* d = dst + (tid / (BK / 16)) * PITCH + (tid % (BK / 16)) * 16;
+    const int64_t k = kb * MX_BLOCK + k0;
+#pragma unroll
+    for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
+      const bool valid = (inside >> i & 1u) && (KOuter ? k + i * LINES_APART : k) < kb_end * MX_BLOCK;
+      copy16(d + i * LINES_APART * PITCH, valid ? src + i * code_chunk : any, valid);
+    }
+  }
+
+  // The stage's scale bytes, loaded into registers (E8M0 bytes need no 4-byte alignment, which
+  // cp.async would); NO_SCALE outside the operand.
+  __device__ __forceinline__ void load_scales(int64_t kb, uint32_t (&s)[SCALES_PER_THREAD]) const {
+    const uint8_t* p = scale + kb * scale_kb;
+#pragma unroll
+    for (int i = 0; i < SCALES_PER_THREAD; ++i)
+      s[i] = r0 + i * dr < rows && kb + kb0 + i * dkb < kb_end ? p[i * scale_slot] : NO_SCALE;
+  }
+
+  // Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
+  // operand), or 2^(s - the row's largest scale `ref[r]`) as f16x2 (prescaled path).
+  __device__ __forceinline__ void store_scales(uint32_t (&dst)[KB_PER_TILE][BM], const uint32_t (&s)[SCALES_PER_THREAD],
+                                               const int32_t* ref, bool prescaled) const {
+#pragma unroll
+    for (int i = 0; i < SCALES_PER_THREAD; ++i) {
+      const int r = r0 + i * dr;
+      const int kb = kb0 + i * dkb;
+      if (prescaled)
+        dst[kb][r] = s[i] == NO_SCALE ? pow2_f16x2(0) : pow2_f16x2(static_cast<int>(s[i]) - ref[r]);
+      else
+        dst[kb][r] = s[i] == NO_SCALE ? __float_as_uint(1.0f) : __float_as_uint(e8m0_value(s[i]));
+    }
+  }
+};
+
+// Both operands' loaders of one tile, and the scale bytes in flight between a stage's load
+// (issued with its copies) and its store into shared memory (after the math of another stage).
+template <bool AKOuter, bool BKOuter>
+struct TileLoader {
+  StageLoader<AKOuter> a;
+  StageLoader<BKOuter> b;
+  uint32_t scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
+
+  __device__ __forceinline__ TileLoader(const Operand& op_a, int64_t a_row0, int a_rows, const Operand& op_b,
+                                        int64_t b_row0, int b_rows, int64_t kb_end)
+      : a(op_a, a_row0, a_rows, kb_end), b(op_b, b_row0, b_rows, kb_end) {}
+
+  // Copies and scale loads of the stage starting at MX block kb.
+  __device__ __forceinline__ void issue(int64_t kb, Stage& stage) {
+    a.copy_codes(kb, stage.a);
+    b.copy_codes(kb, stage.b);
+    a.load_scales(kb, scale_a);
+    b.load_scales(kb, scale_b);
+  }
+
+  // The scale words of the last issued stage; `ref`: A's rows' largest scales, then B's.
+  __device__ __forceinline__ void store_scales(Stage& stage, const int32_t* ref, bool prescaled) const {
+    a.store_scales(stage.sa, scale_a, ref, prescaled);
+    b.store_scales(stage.sb, scale_b, ref + BM, prescaled);
+  }
+
+  // The first STAGES - 1 stages of [kb_begin, kb_begin + tiles stages), one commit group each.
+  __device__ __forceinline__ void prologue(Stage* stages, int64_t kb_begin, int64_t tiles, const int32_t* ref,
+                                           bool prescaled) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < tiles) {
+        issue(kb_begin + s * KB_PER_TILE, stages[s]);
+        store_scales(stages[s], ref, prescaled);
+      }
+      copy_commit();
+    }
+  }
+};
 
 // Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's rows,
 // then B's; 0 for rows outside the operands), and whether every row's scales lie within
@@ -266,6 +354,16 @@ __device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, i
   return !__syncthreads_or(hi - lo > MAX_SPREAD);
 }
 
+// Four words of four bytes (word j: byte i of line j) -> byte j of word i: a 4x4 byte transpose.
+__device__ __forceinline__ void transpose4x4(const uint32_t* w, uint32_t (&t)[4]) {
+  const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
+  const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
+  t[0] = __byte_perm(lo01, lo23, 0x5410);
+  t[1] = __byte_perm(lo01, lo23, 0x7632);
+  t[2] = __byte_perm(hi01, hi23, 0x5410);
+  t[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
 // [contraction byte][row] -> [row][contraction byte], 4x4-byte blocks through registers.
 __device__ __forceinline__ void transpose_tile(const uint8_t* src, uint8_t* dst) {
   const int tid = threadIdx.x;
@@ -274,15 +372,12 @@ __device__ __forceinline__ void transpose_tile(const uint8_t* src, uint8_t* dst)
     const int q = tid + i * THREADS;
     const int row4 = (q % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
     const int k4 = (q / (BM / 4)) * 4;
-    uint32_t w[4];
+    uint32_t w[4], t[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) w[j] = *reinterpret_cast<const uint32_t*>(src + (k4 + j) * PITCH + row4);
-    const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
-    const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
-    *reinterpret_cast<uint32_t*>(dst + (row4 + 0) * PITCH + k4) = __byte_perm(lo01, lo23, 0x5410);
-    *reinterpret_cast<uint32_t*>(dst + (row4 + 1) * PITCH + k4) = __byte_perm(lo01, lo23, 0x7632);
-    *reinterpret_cast<uint32_t*>(dst + (row4 + 2) * PITCH + k4) = __byte_perm(hi01, hi23, 0x5410);
-    *reinterpret_cast<uint32_t*>(dst + (row4 + 3) * PITCH + k4) = __byte_perm(hi01, hi23, 0x7632);
+    transpose4x4(w, t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + (row4 + j) * PITCH + k4) = t[j];
   }
 }
 
@@ -314,6 +409,54 @@ __device__ __forceinline__ void mma_f16(float (&acc)[4], uint32_t a0, uint32_t a
       : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#if GG_MXFP8_WGMMA_HERE
+// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle (row r's 16-byte
+// chunk c at r * 128 + (c ^ r % 8) * 16, 1024-byte aligned atoms of 8 rows): start address,
+// leading offset 1 (unused by this layout), stride 1024 bytes between 8-row atoms, mode 1.
+__device__ __forceinline__ uint64_t swizzled_desc(const uint8_t* p) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>(SWIZZLE_ATOM >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+__device__ __forceinline__ void pin_acc(float (&acc)[FRAG_M][FRAG_N][4]) {
+#pragma unroll
+  for (int mi = 0; mi < FRAG_M; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < FRAG_N; ++ni)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[mi][ni][j])::"memory");
+}
+
+#define GG_ACC4(mi, ni) "+f"(acc[mi][ni][0]), "+f"(acc[mi][ni][1]), "+f"(acc[mi][ni][2]), "+f"(acc[mi][ni][3])
+#define GG_ACC16(mi) GG_ACC4(mi, 0), GG_ACC4(mi, 1), GG_ACC4(mi, 2), GG_ACC4(mi, 3)
+// acc (this warpgroup's 64 x 128, fp32) += A (64 x 16, f16) . B (128 x 16, f16)^T, both K-major
+// in shared memory. Register 4j + e of the m64n128 accumulator is acc[j / 4][j % 4][e].
+__device__ __forceinline__ void wgmma_f16(float (&acc)[FRAG_M][FRAG_N][4], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : GG_ACC16(0), GG_ACC16(1), GG_ACC16(2), GG_ACC16(3)
+      : "l"(a), "l"(b), "r"(1));
+}
+#undef GG_ACC16
+#undef GG_ACC4
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int pending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+}
+// Orders this thread's shared-memory stores before the MMAs' (asynchronous proxy) reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif  // GG_MXFP8_WGMMA_HERE
 #else
 // Exact E4M3 (OCP "fn": no infinities, S.1111.111 is NaN) -> fp32.
 __device__ __forceinline__ float e4m3_value(uint32_t code) {
@@ -447,20 +590,27 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
   }
 }
 
-// f(element, tile row, tile column) for each of this thread's accumulators, in the m16n8
-// accumulator layout: rows g and g+8, columns 2t and 2t+1 of each fragment.
-template <typename Acc, typename F>
+// f(element, tile row, tile column) for each of this thread's accumulators. Both layouts
+// repeat the m16n8 accumulator fragment (rows g and g+8, columns 2t and 2t+1):
+//   mma.sync: warp w owns rows 64 (w / 4) + [0, 64) in four fragments, columns 32 (w % 4) + [0, 32);
+//   wgmma (`Wg`): warpgroup w / 4 owns rows 64 (w / 4) + [0, 64), warp w % 4 rows 16 (w % 4) + [0, 16)
+//   of them, and every column: acc[mi][ni] is the m64n128 accumulator's fragment 4 mi + ni.
+template <bool Wg, typename Acc, typename F>
 __device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wrow = (warp / (BN / WARP_N)) * WARP_M + lane / 4;
-  const int wcol = (warp % (BN / WARP_N)) * WARP_N + 2 * (lane % 4);
+  const int wrow = (Wg ? (warp / 4) * WARP_M + (warp % 4) * 16 : (warp / (BN / WARP_N)) * WARP_M) + lane / 4;
+  const int wcol = (Wg ? 0 : (warp % (BN / WARP_N)) * WARP_N) + 2 * (lane % 4);
 #pragma unroll
   for (int mi = 0; mi < FRAG_M; ++mi)
 #pragma unroll
     for (int ni = 0; ni < FRAG_N; ++ni)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) f(acc[mi][ni][j], wrow + mi * 16 + (j / 2) * 8, wcol + ni * 8 + (j % 2));
+      for (int j = 0; j < 4; ++j) {
+        const int row = wrow + (Wg ? 0 : mi * 16) + (j / 2) * 8;
+        const int col = wcol + (Wg ? (mi * FRAG_N + ni) * 8 : ni * 8) + (j % 2);
+        f(acc[mi][ni][j], row, col);
+      }
 }
 
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
@@ -478,32 +628,14 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  uint32_t scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < tiles) {
-      const int64_t kb = kb_begin + s * KB_PER_TILE;
-      load_codes<AKOuter>(a, a_row0, a_rows, kb, kb_end, stages[s].a);
-      load_codes<BKOuter>(b, b_row0, b_rows, kb, kb_end, stages[s].b);
-      load_scales(a, a_row0, a_rows, kb, kb_end, scale_a);
-      load_scales(b, b_row0, b_rows, kb, kb_end, scale_b);
-      store_scales(a, stages[s].sa, scale_a, ref_a, Prescaled);
-      store_scales(b, stages[s].sb, scale_b, ref_b, Prescaled);
-    }
-    copy_commit();
-  }
+  TileLoader<AKOuter, BKOuter> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  loader.prologue(stages, kb_begin, tiles, ref, Prescaled);
   for (int64_t i = 0; i < tiles; ++i) {
     copy_wait<STAGES - 2>();
     __syncthreads();  // stage i has landed for every thread; stage i - 1 is no longer read
     const int64_t next = i + STAGES - 1;
     Stage& upcoming = stages[next % STAGES];
-    if (next < tiles) {
-      const int64_t kb = kb_begin + next * KB_PER_TILE;
-      load_codes<AKOuter>(a, a_row0, a_rows, kb, kb_end, upcoming.a);
-      load_codes<BKOuter>(b, b_row0, b_rows, kb, kb_end, upcoming.b);
-      load_scales(a, a_row0, a_rows, kb, kb_end, scale_a);
-      load_scales(b, b_row0, b_rows, kb, kb_end, scale_b);
-    }
+    if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
     copy_commit();
     Stage& current = stages[i % STAGES];
     if (AKOuter || BKOuter) {
@@ -512,56 +644,181 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
       __syncthreads();
     }
     stage_math<Prescaled>(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
-    if (next < tiles) {  // the scale loads had the math to arrive
-      store_scales(a, upcoming.sa, scale_a, ref_a, Prescaled);
-      store_scales(b, upcoming.sb, scale_b, ref_b, Prescaled);
-    }
+    if (next < tiles) loader.store_scales(upcoming, ref, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
   if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
-    for_each_acc(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+    for_each_acc<false>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
   __syncthreads();  // the caller may reuse shared memory
 }
 
+#if GG_MXFP8_WGMMA_HERE
+// 8 f16 (16 bytes) as chunk c of row r of a 128-byte-swizzled f16 tile (see swizzled_desc).
+__device__ __forceinline__ void store_f16_chunk(uint8_t* tile, int r, int c, uint4 v) {
+  *reinterpret_cast<uint4*>(tile + r * SWIZZLE_ROW + ((c ^ (r % 8)) * 16)) = v;
+}
+
+// Half `h` of a stage's codes (contraction steps [64 h, 64 h + 64)) as f16 times 2^(scale -
+// row's largest) (`mul`, f16x2 words from store_scales), into the swizzled tile `dst`.
+// Contraction-major: each thread converts two 16-code runs of one row. k-outer: four rows of
+// eight steps, byte-transposed in registers first.
+template <bool KOuter>
+__device__ __forceinline__ void stage_to_f16(const uint8_t* codes, const uint32_t (&mul)[KB_PER_TILE][BM], int h,
+                                             uint8_t* dst) {
+  const int tid = threadIdx.x;
+  if constexpr (!KOuter) {
+#pragma unroll
+    for (int i = 0; i < BM * HALF_K / 16 / THREADS; ++i) {
+      const int r = tid % BM;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
+      const int run = tid / BM + i * (THREADS / BM);
+      const int k = h * HALF_K + run * 16;
+      const uint4 w = *reinterpret_cast<const uint4*>(codes + r * PITCH + k);
+      const uint32_t m = mul[k / MX_BLOCK][r];
+      uint4 lo, hi;
+      e4m3x4_to_f16_scaled(w.x, m, lo.x, lo.y);
+      e4m3x4_to_f16_scaled(w.y, m, lo.z, lo.w);
+      e4m3x4_to_f16_scaled(w.z, m, hi.x, hi.y);
+      e4m3x4_to_f16_scaled(w.w, m, hi.z, hi.w);
+      store_f16_chunk(dst, r, 2 * run, lo);
+      store_f16_chunk(dst, r, 2 * run + 1, hi);
+    }
+  } else {
+    static_assert(BM / 4 * (HALF_K / 8) == THREADS, "one 4-row x 8-step block per thread");
+    const int r4 = (tid % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
+    const int step8 = tid / (BM / 4);
+    const int k = h * HALF_K + step8 * 8;
+    // Rows are stored in an order rotated by `rot`, so that the eight 16-byte stores of a
+    // quarter warp fall in eight distinct chunks (rows 4q + i alone share two swizzle phases).
+    const int rot = (tid / 2) % 4;
+    uint32_t w[8], lo[4], hi[4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t line = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + r4);
+      w[j] = __funnelshift_r(line, line, 8 * rot);  // byte i: row r4 + (i + rot) % 4
+    }
+    transpose4x4(w, lo);  // lo[i]: row r4 + (i + rot) % 4, steps k..k+3
+    transpose4x4(w + 4, hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r4 + ((i + rot) & 3);
+      const uint32_t m = mul[k / MX_BLOCK][r];
+      uint4 v;
+      e4m3x4_to_f16_scaled(lo[i], m, v.x, v.y);
+      e4m3x4_to_f16_scaled(hi[i], m, v.z, v.w);
+      store_f16_chunk(dst, r, step8, v);
+    }
+  }
+}
+
+// The prescaled path on wgmma: the same pipeline of code stages as tile_pipeline, but each
+// stage is converted, half by half, into double-buffered f16 tiles in shared memory that two
+// warpgroups multiply asynchronously (m64n128k16; warpgroup w: rows 64 w + [0, 64)) while the
+// threads convert the next half. acc is in for_each_acc's wgmma layout.
+template <bool AKOuter, bool BKOuter>
+__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
+                                               int64_t kb_end, const int32_t* ref, float (&acc)[FRAG_M][FRAG_N][4]) {
+  Stage* stages = reinterpret_cast<Stage*>(smem);
+  uint8_t* region = smem + STAGES * sizeof(Stage);
+  const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(region)) % SWIZZLE_ATOM;
+  uint8_t* f16 = region + (offset ? SWIZZLE_ATOM - offset : 0);  // buffer h: A at 2h, B at 2h + 1
+  const int32_t* ref_a = ref;
+  const int32_t* ref_b = ref + BM;
+  const int warpgroup = threadIdx.x / 128;
+  const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
+  TileLoader<AKOuter, BKOuter> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  loader.prologue(stages, kb_begin, tiles, ref, true);
+  pin_acc(acc);
+  for (int64_t i = 0; i < tiles; ++i) {
+    copy_wait<STAGES - 2>();
+    // Stage i has landed for every thread, stage i - 1 is no longer read, and every
+    // warpgroup has retired the MMAs that read f16 buffer 0 (waited below).
+    __syncthreads();
+    const int64_t next = i + STAGES - 1;
+    Stage& upcoming = stages[next % STAGES];
+    if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
+    copy_commit();
+    const Stage& current = stages[i % STAGES];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint8_t* fa = f16 + 2 * h * F16_TILE;
+      uint8_t* fb = fa + F16_TILE;
+      if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
+      stage_to_f16<AKOuter>(current.a, current.sa, h, fa);
+      stage_to_f16<BKOuter>(current.b, current.sb, h, fb);
+      fence_async_shared();
+      __syncthreads();
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < HALF_K / 16; ++s)
+        wgmma_f16(acc, swizzled_desc(fa + warpgroup * WARP_M * SWIZZLE_ROW + s * 32), swizzled_desc(fb + s * 32));
+      wgmma_commit();
+      wgmma_wait<1>();  // the other buffer's MMAs are done
+    }
+    if (next < tiles) loader.store_scales(upcoming, ref, true);
+  }
+  copy_wait<0>();
+  wgmma_wait<0>();
+  pin_acc(acc);
+  for_each_acc<true>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+  __syncthreads();  // the caller may reuse shared memory
+}
+#endif  // GG_MXFP8_WGMMA_HERE
+
 // acc = the product of the tile's rows over MX blocks [kb_begin, kb_end), on the prescaled
 // path where the tile's scale ranges allow it.
+// Returns whether acc is in the wgmma layout (see for_each_acc).
 template <bool AKOuter, bool BKOuter>
-__device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+__device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                              int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
   __shared__ int32_t ref[BM + BN];
-  for_each_acc(acc, [](float& v, int, int) { v = 0.0f; });
-  if (kb_end <= kb_begin) return;
-  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref))
+  for_each_acc<false>(acc, [](float& v, int, int) { v = 0.0f; });
+  if (kb_end <= kb_begin) return false;
+  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref)) {
+#if GG_MXFP8_WGMMA_HERE
+    wgmma_pipeline<AKOuter, BKOuter>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+    return true;
+#else
     tile_pipeline<AKOuter, BKOuter, PRESCALE>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-  else
-    tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+    return false;
+#endif
+  }
+  tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+  return false;
 }
 
 // Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
-// columns < cols, at out[r * ldo + c].
+// columns < cols, at out[r * ldo + c]; `wg_layout` as tile_product returned.
 template <typename OutT>
 __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4], OutT* out, int64_t ldo, int rows,
-                                           int cols, bool accumulate) {
-  for_each_acc(acc, [&](float v, int r, int c) {
+                                           int cols, bool accumulate, bool wg_layout) {
+  const auto store = [&](float v, int r, int c) {
     if (r < rows && c < cols) {
       OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
       if (accumulate) v += OutStore<OutT>::load(dst);
       OutStore<OutT>::store(dst, v);
     }
-  });
+  };
+  if (GG_MXFP8_WGMMA_HERE && wg_layout)
+    for_each_acc<true>(acc, store);
+  else
+    for_each_acc<false>(acc, store);
 }
 
 // fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
 // group_operand(b, g), whose rows are out's columns. tile_ends[g] is the cumulative count of
-// BM-row tiles through group g; blockIdx.x is a tile index (blocks past the last tile exit),
-// blockIdx.y a column tile. Everything is read on the device: no host sync, graph-capturable.
+// BM-row tiles through group g. blockIdx.x enumerates (row tile, column tile) with the column
+// tiles of a row tile adjacent, so blocks running together share their A rows and their
+// group's B in L2 (blocks past the last row tile exit). Everything is read on the device: no
+// host sync, graph-capturable.
 template <typename OutT, bool BKOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     rows_kernel(Operand a, Operand b, const int32_t* __restrict__ row_ends, const int32_t* __restrict__ tile_ends,
                 int groups, int ncols, int64_t kblocks, OutT* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int tile = blockIdx.x;
+  const int col_tiles = (ncols + BN - 1) / BN;
+  const int tile = static_cast<int>(blockIdx.x / col_tiles);
   if (tile >= tile_ends[groups - 1]) return;
   int lo = 0, hi = groups - 1;  // first group whose tile_ends exceeds `tile`
   while (lo < hi) {
@@ -573,11 +830,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t group_start = g ? row_ends[g - 1] : 0;
   const int64_t row0 = group_start + static_cast<int64_t>(tile - first_tile) * BM;
   const int rows = static_cast<int>(min(static_cast<int64_t>(BM), row_ends[g] - row0));
-  const int col0 = blockIdx.y * BN;
+  const int col0 = static_cast<int>(blockIdx.x % col_tiles) * BN;
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, acc);
-  store_tile(acc, out + row0 * ncols + col0, ncols, rows, cols, false);
+  const bool wg = tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, acc);
+  store_tile(acc, out + row0 * ncols + col0, ncols, rows, cols, false, wg);
 }
 
 // wgrad. out[g] (nrows x ncols) = A[:, tokens of g] . B[:, tokens of g]^T, where group g's
@@ -596,9 +853,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int rows = min(BM, nrows - row0);
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, acc);
+  const bool wg = tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, acc);
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
-  store_tile(acc, dst, ncols, rows, cols, accumulate);
+  store_tile(acc, dst, ncols, rows, cols, accumulate, wg);
 }
 
 }  // namespace gg_mxfp8
