@@ -227,6 +227,7 @@ struct StageLoader {
   const uint8_t* scale;  // slot 0 at MX block 0
   int64_t scale_kb, scale_slot;
   int r0, dr, kb0, dkb;
+  int32_t ref[SCALES_PER_THREAD];  // the slots' rows' largest scales (prescaled path)
 
   __device__ __forceinline__ StageLoader(const Operand& op, int64_t row0, int rows_, int64_t kb_end_)
       : any(op.data), kb_end(kb_end_), inside(0), rows(rows_) {
@@ -273,16 +274,23 @@ struct StageLoader {
       s[i] = r0 + i * dr < rows && kb + kb0 + i * dkb < kb_end ? p[i * scale_slot] : NO_SCALE;
   }
 
+  // The slots' rows' largest scales, from the operand's `rows_ref` (once per tile, so that
+  // every stage's store_scales does without a shared-memory load).
+  __device__ __forceinline__ void bind(const int32_t* rows_ref) {
+#pragma unroll
+    for (int i = 0; i < SCALES_PER_THREAD; ++i) ref[i] = rows_ref[r0 + i * dr];
+  }
+
   // Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
-  // operand), or 2^(s - the row's largest scale `ref[r]`) as f16x2 (prescaled path).
+  // operand), or 2^(s - the row's largest scale) as f16x2 (prescaled path, after bind).
   __device__ __forceinline__ void store_scales(uint32_t (&dst)[KB_PER_TILE][BM], const uint32_t (&s)[SCALES_PER_THREAD],
-                                               const int32_t* ref, bool prescaled) const {
+                                               bool prescaled) const {
 #pragma unroll
     for (int i = 0; i < SCALES_PER_THREAD; ++i) {
       const int r = r0 + i * dr;
       const int kb = kb0 + i * dkb;
       if (prescaled)
-        dst[kb][r] = s[i] == NO_SCALE ? pow2_f16x2(0) : pow2_f16x2(static_cast<int>(s[i]) - ref[r]);
+        dst[kb][r] = s[i] == NO_SCALE ? pow2_f16x2(0) : pow2_f16x2(static_cast<int>(s[i]) - ref[i]);
       else
         dst[kb][r] = s[i] == NO_SCALE ? __float_as_uint(1.0f) : __float_as_uint(e8m0_value(s[i]));
     }
@@ -309,20 +317,25 @@ struct TileLoader {
     b.load_scales(kb, scale_b);
   }
 
-  // The scale words of the last issued stage; `ref`: A's rows' largest scales, then B's.
-  __device__ __forceinline__ void store_scales(Stage& stage, const int32_t* ref, bool prescaled) const {
-    a.store_scales(stage.sa, scale_a, ref, prescaled);
-    b.store_scales(stage.sb, scale_b, ref + BM, prescaled);
+  // The scale words of the last issued stage.
+  __device__ __forceinline__ void store_scales(Stage& stage, bool prescaled) const {
+    a.store_scales(stage.sa, scale_a, prescaled);
+    b.store_scales(stage.sb, scale_b, prescaled);
   }
 
-  // The first STAGES - 1 stages of [kb_begin, kb_begin + tiles stages), one commit group each.
+  // The first STAGES - 1 stages of [kb_begin, kb_begin + tiles stages), one commit group each;
+  // `ref`: A's rows' largest scales, then B's (prescaled path).
   __device__ __forceinline__ void prologue(Stage* stages, int64_t kb_begin, int64_t tiles, const int32_t* ref,
                                            bool prescaled) {
+    if (prescaled) {
+      a.bind(ref);
+      b.bind(ref + BM);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < tiles) {
         issue(kb_begin + s * KB_PER_TILE, stages[s]);
-        store_scales(stages[s], ref, prescaled);
+        store_scales(stages[s], prescaled);
       }
       copy_commit();
     }
@@ -644,7 +657,7 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
       __syncthreads();
     }
     stage_math<Prescaled>(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
-    if (next < tiles) loader.store_scales(upcoming, ref, Prescaled);  // the loads had the math to arrive
+    if (next < tiles) loader.store_scales(upcoming, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
   if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
@@ -658,57 +671,76 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* tile, int r, int c, uin
   *reinterpret_cast<uint4*>(tile + r * SWIZZLE_ROW + ((c ^ (r % 8)) * 16)) = v;
 }
 
-// Half `h` of a stage's codes (contraction steps [64 h, 64 h + 64)) as f16 times 2^(scale -
-// row's largest) (`mul`, f16x2 words from store_scales), into the swizzled tile `dst`.
-// Contraction-major: each thread converts two 16-code runs of one row. k-outer: four rows of
-// eight steps, byte-transposed in registers first.
+// The calling thread's share of half `h` of a stage (contraction steps [64 h, 64 h + 64)) of
+// one operand: eight words of codes and their relative scales (`mul`, f16x2 words from
+// store_scales). Contraction-major: two 16-code runs of one row. k-outer: four rows of eight
+// steps, byte-transposed in registers. All of a half's shared-memory loads are issued before
+// any conversion: the compiler cannot move them above the f16 stores (it cannot tell the two
+// apart), and waiting on each load in turn was the largest stall of the loop (ncu).
 template <bool KOuter>
-__device__ __forceinline__ void stage_to_f16(const uint8_t* codes, const uint32_t (&mul)[KB_PER_TILE][BM], int h,
-                                             uint8_t* dst) {
-  const int tid = threadIdx.x;
-  if constexpr (!KOuter) {
+struct HalfCodes {
+  static_assert(BM * HALF_K / 32 == THREADS, "32 codes per thread");
+  uint32_t w[8];
+  uint32_t mul[KOuter ? 4 : 2];
+  int row;  // contraction-major: the row; k-outer: the first of four
+  int rot;  // k-outer: w holds rows in an order rotated by rot (see store)
+
+  __device__ __forceinline__ void load(const uint8_t* codes, const uint32_t (&scale)[KB_PER_TILE][BM], int h) {
+    const int tid = threadIdx.x;
+    if constexpr (!KOuter) {
+      row = tid % BM;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
 #pragma unroll
-    for (int i = 0; i < BM * HALF_K / 16 / THREADS; ++i) {
-      const int r = tid % BM;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
-      const int run = tid / BM + i * (THREADS / BM);
-      const int k = h * HALF_K + run * 16;
-      const uint4 w = *reinterpret_cast<const uint4*>(codes + r * PITCH + k);
-      const uint32_t m = mul[k / MX_BLOCK][r];
-      uint4 lo, hi;
-      e4m3x4_to_f16_scaled(w.x, m, lo.x, lo.y);
-      e4m3x4_to_f16_scaled(w.y, m, lo.z, lo.w);
-      e4m3x4_to_f16_scaled(w.z, m, hi.x, hi.y);
-      e4m3x4_to_f16_scaled(w.w, m, hi.z, hi.w);
-      store_f16_chunk(dst, r, 2 * run, lo);
-      store_f16_chunk(dst, r, 2 * run + 1, hi);
-    }
-  } else {
-    static_assert(BM / 4 * (HALF_K / 8) == THREADS, "one 4-row x 8-step block per thread");
-    const int r4 = (tid % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
-    const int step8 = tid / (BM / 4);
-    const int k = h * HALF_K + step8 * 8;
-    // Rows are stored in an order rotated by `rot`, so that the eight 16-byte stores of a
-    // quarter warp fall in eight distinct chunks (rows 4q + i alone share two swizzle phases).
-    const int rot = (tid / 2) % 4;
-    uint32_t w[8], lo[4], hi[4];
+      for (int i = 0; i < 2; ++i) {
+        const int k = h * HALF_K + (tid / BM + i * (THREADS / BM)) * 16;
+        const uint4 v = *reinterpret_cast<const uint4*>(codes + row * PITCH + k);
+        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        mul[i] = scale[k / MX_BLOCK][row];
+      }
+    } else {
+      row = (tid % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
+      // Rows are stored in an order rotated by `rot`, so that the eight 16-byte stores of a
+      // quarter warp fall in eight distinct chunks (rows 4q + i alone share two swizzle phases).
+      rot = (tid / 2) % 4;
+      const int k = h * HALF_K + (tid / (BM / 4)) * 8;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t line = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + r4);
-      w[j] = __funnelshift_r(line, line, 8 * rot);  // byte i: row r4 + (i + rot) % 4
-    }
-    transpose4x4(w, lo);  // lo[i]: row r4 + (i + rot) % 4, steps k..k+3
-    transpose4x4(w + 4, hi);
+      for (int j = 0; j < 8; ++j) w[j] = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + row);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = r4 + ((i + rot) & 3);
-      const uint32_t m = mul[k / MX_BLOCK][r];
-      uint4 v;
-      e4m3x4_to_f16_scaled(lo[i], m, v.x, v.y);
-      e4m3x4_to_f16_scaled(hi[i], m, v.z, v.w);
-      store_f16_chunk(dst, r, step8, v);
+      for (int i = 0; i < 4; ++i) mul[i] = scale[k / MX_BLOCK][row + ((i + rot) & 3)];
     }
   }
-}
+
+  // Convert to f16 times `mul` into the swizzled tile `dst`.
+  __device__ __forceinline__ void store(int h, uint8_t* dst) {
+    const int tid = threadIdx.x;
+    if constexpr (!KOuter) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int run = tid / BM + i * (THREADS / BM);
+        uint4 lo, hi;
+        e4m3x4_to_f16_scaled(w[4 * i], mul[i], lo.x, lo.y);
+        e4m3x4_to_f16_scaled(w[4 * i + 1], mul[i], lo.z, lo.w);
+        e4m3x4_to_f16_scaled(w[4 * i + 2], mul[i], hi.x, hi.y);
+        e4m3x4_to_f16_scaled(w[4 * i + 3], mul[i], hi.z, hi.w);
+        store_f16_chunk(dst, row, 2 * run, lo);
+        store_f16_chunk(dst, row, 2 * run + 1, hi);
+      }
+    } else {
+      const int step8 = tid / (BM / 4);
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = __funnelshift_r(w[j], w[j], 8 * rot);  // byte i: row + (i + rot) % 4
+      transpose4x4(w, lo);  // lo[i]: row + (i + rot) % 4, steps 0..3 of the eight
+      transpose4x4(w + 4, hi);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint4 v;
+        e4m3x4_to_f16_scaled(lo[i], mul[i], v.x, v.y);
+        e4m3x4_to_f16_scaled(hi[i], mul[i], v.z, v.w);
+        store_f16_chunk(dst, row + ((i + rot) & 3), step8, v);
+      }
+    }
+  }
+};
 
 // The prescaled path on wgmma: the same pipeline of code stages as tile_pipeline, but each
 // stage is converted, half by half, into double-buffered f16 tiles in shared memory that two
@@ -743,9 +775,13 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
     for (int h = 0; h < 2; ++h) {
       uint8_t* fa = f16 + 2 * h * F16_TILE;
       uint8_t* fb = fa + F16_TILE;
+      HalfCodes<AKOuter> ca;
+      HalfCodes<BKOuter> cb;
+      ca.load(current.a, current.sa, h);
+      cb.load(current.b, current.sb, h);
       if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
-      stage_to_f16<AKOuter>(current.a, current.sa, h, fa);
-      stage_to_f16<BKOuter>(current.b, current.sb, h, fb);
+      ca.store(h, fa);
+      cb.store(h, fb);
       fence_async_shared();
       __syncthreads();
       wgmma_fence();
@@ -755,7 +791,7 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
       wgmma_commit();
       wgmma_wait<1>();  // the other buffer's MMAs are done
     }
-    if (next < tiles) loader.store_scales(upcoming, ref, true);
+    if (next < tiles) loader.store_scales(upcoming, true);
   }
   copy_wait<0>();
   wgmma_wait<0>();
