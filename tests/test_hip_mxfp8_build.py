@@ -267,9 +267,9 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         f"template __global__ void gg_mxfp8::{decl};"
         for decl in (
             "rows_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
-            "int, int64_t, float*)",
+            "int, int64_t, const uint16_t*, const uint16_t*, float*)",
             "rows_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
-            "int, int64_t, uint16_t*)",
+            "int, int64_t, const uint16_t*, const uint16_t*, uint16_t*)",
             "wgrad_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, uint16_t*, "
             "bool)",
             "wgrad_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, float*, bool)",

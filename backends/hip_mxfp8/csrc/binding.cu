@@ -85,14 +85,27 @@ void allow_smem(Kernel kernel, int bytes) {
   done = bytes;
 }
 
+// Every row's scale range (gg_mxfp8::row_ranges_kernel) of `groups` x `rows` rows of `op`,
+// into `ranges` from element `first`; a pointer to them.
+const uint16_t* row_ranges(const Operand& op, int groups, int rows, int64_t kblocks, const torch::Tensor& ranges,
+                           int64_t first, cudaStream_t stream) {
+  auto* dst = reinterpret_cast<uint16_t*>(ranges.data_ptr<int16_t>()) + first;
+  const int64_t count = static_cast<int64_t>(groups) * rows;
+  constexpr int threads = 256;
+  gg_mxfp8::row_ranges_kernel<<<static_cast<unsigned>((count + threads - 1) / threads), threads, 0, stream>>>(
+      op, groups, rows, kblocks, dst);
+  return dst;
+}
+
 template <typename OutT, bool BKOuter>
 void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& row_ends,
-                 const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, OutT* out) {
+                 const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges,
+                 const uint16_t* b_ranges, OutT* out) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
   const int smem = launch_smem(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
-                                                    groups, ncols, kblocks, out);
+                                                    groups, ncols, kblocks, a_ranges, b_ranges, out);
 }
 
 template <typename OutT, bool KOuter>
@@ -130,13 +143,24 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t kblocks = a.len / gg_mxfp8::MX_BLOCK;
   const int g = static_cast<int>(groups), c = static_cast<int>(ncols);
+  const int m = static_cast<int>(a_data.size(0));
+  TORCH_CHECK(a_data.size(0) < (int64_t{1} << 31) && groups * ncols < (int64_t{1} << 31), "problem too large");
+  // The prescaled path's per-row scale ranges, found once here instead of by every tile.
+  const uint16_t* a_ranges = nullptr;
+  const uint16_t* b_ranges = nullptr;
+  if (gg_mxfp8::PRESCALE) {
+    const auto ranges = torch::empty({m + groups * ncols}, a_data.options().dtype(torch::kInt16));
+    a_ranges = row_ranges(a.op, 1, m, kblocks, ranges, 0, stream);
+    b_ranges = row_ranges(b.op, g, c, kblocks, ranges, m, stream);
+  }
   if (out.scalar_type() == torch::kFloat32) {
-    if (b_k_outer) launch_rows<float, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, out.data_ptr<float>());
-    else launch_rows<float, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, out.data_ptr<float>());
+    auto* o = out.data_ptr<float>();
+    if (b_k_outer) launch_rows<float, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
+    else launch_rows<float, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
   } else {
     auto* o = static_cast<uint16_t*>(out.data_ptr());
-    if (b_k_outer) launch_rows<uint16_t, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, o);
-    else launch_rows<uint16_t, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, o);
+    if (b_k_outer) launch_rows<uint16_t, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
+    else launch_rows<uint16_t, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

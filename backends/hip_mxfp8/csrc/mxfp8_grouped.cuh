@@ -342,29 +342,61 @@ struct TileLoader {
   }
 };
 
+// The (smallest, largest) scale byte of every row of the tile's two operands, packed lo << 8 |
+// hi and indexed from the tile's first row (`a`, `b`); null where a tile scans its rows itself.
+struct RowRanges {
+  const uint16_t* a;
+  const uint16_t* b;
+};
+
 // Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's rows,
 // then B's; 0 for rows outside the operands), and whether every row's scales lie within
 // MAX_SPREAD binades of it: the condition of the prescaled path, decided for the whole tile.
+// From `ranges` where given, else scanned here.
 __device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, int a_rows, const Operand& b,
                                              int64_t b_row0, int b_rows, int64_t kb_begin, int64_t kb_end,
-                                             int32_t* ref) {
+                                             RowRanges ranges, int32_t* ref) {
   const int tid = threadIdx.x;
   const bool is_a = tid < BM;
   const int r = is_a ? tid : tid - BM;
-  const int64_t row = (is_a ? a_row0 : b_row0) + r;
-  const int64_t skb = is_a ? a.skb : b.skb;
   int lo = 255, hi = 0;
   if (r < (is_a ? a_rows : b_rows)) {
-    const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
+    const uint16_t* range = is_a ? ranges.a : ranges.b;
+    if (range != nullptr) {
+      lo = range[r] >> 8;
+      hi = range[r] & 0xff;
+    } else {
+      const int64_t row = (is_a ? a_row0 : b_row0) + r;
+      const int64_t skb = is_a ? a.skb : b.skb;
+      const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
 #pragma unroll 16  // sixteen loads in flight: a tile waits on this before its first stage
-    for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-      const int s = p[kb * skb];
-      lo = min(lo, s);
-      hi = max(hi, s);
+      for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+        const int s = p[kb * skb];
+        lo = min(lo, s);
+        hi = max(hi, s);
+      }
     }
   }
   ref[tid] = hi;
   return !__syncthreads_or(hi - lo > MAX_SPREAD);
+}
+
+// Every row's (smallest, largest) scale byte over MX blocks [0, kblocks) of `op`'s `groups`
+// groups of `rows` rows, packed lo << 8 | hi into ranges[g * rows + r]: once per call, where
+// every tile of rows_kernel scanned its rows again (and waited on that before its first stage).
+__global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks, uint16_t* __restrict__ ranges) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(groups) * rows) return;
+  const int64_t g = i / rows, r = i % rows;
+  const uint8_t* p = op.scale + g * op.gscale + r * op.srow;
+  int lo = 255, hi = 0;
+#pragma unroll 16
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const int s = p[kb * op.skb];
+    lo = min(lo, s);
+    hi = max(hi, s);
+  }
+  ranges[i] = static_cast<uint16_t>(lo << 8 | hi);
 }
 
 // Four words of four bytes (word j: byte i of line j) -> byte j of word i: a 4x4 byte transpose.
@@ -807,11 +839,11 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
 template <bool AKOuter, bool BKOuter>
 __device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                             int64_t kb_end, float (&acc)[FRAG_M][FRAG_N][4]) {
+                                             int64_t kb_end, RowRanges ranges, float (&acc)[FRAG_M][FRAG_N][4]) {
   __shared__ int32_t ref[BM + BN];
   for_each_acc<false>(acc, [](float& v, int, int) { v = 0.0f; });
   if (kb_end <= kb_begin) return false;
-  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref)) {
+  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ranges, ref)) {
 #if GG_MXFP8_WGMMA_HERE
     wgmma_pipeline<AKOuter, BKOuter>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
     return true;
@@ -851,7 +883,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4]
 template <typename OutT, bool BKOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     rows_kernel(Operand a, Operand b, const int32_t* __restrict__ row_ends, const int32_t* __restrict__ tile_ends,
-                int groups, int ncols, int64_t kblocks, OutT* __restrict__ out) {
+                int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges, const uint16_t* b_ranges,
+                OutT* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int col_tiles = (ncols + BN - 1) / BN;
   const int tile = static_cast<int>(blockIdx.x / col_tiles);
@@ -869,7 +902,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int col0 = static_cast<int>(blockIdx.x % col_tiles) * BN;
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  const bool wg = tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, acc);
+  // a_ranges: A's rows (row_ranges_kernel over A); b_ranges: every group's B rows; or null.
+  const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
+                         b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
+  const bool wg =
+      tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges, acc);
   store_tile(acc, out + row0 * ncols + col0, ncols, rows, cols, false, wg);
 }
 
@@ -889,7 +926,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int rows = min(BM, nrows - row0);
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  const bool wg = tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, acc);
+  const bool wg = tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK,
+                                               RowRanges{nullptr, nullptr}, acc);
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
   store_tile(acc, dst, ncols, rows, cols, accumulate, wg);
 }
