@@ -77,8 +77,9 @@ def _splits(kind, groups, m, gen):
         ("balanced", 1, 333, 256, 256),
         ("skewed", 5, 777, 200, 136),  # nothing a multiple of 32 or of the 128-row tile
         ("empty", 7, 97, 48, 80),
+        ("skewed", 3, 250, 45, 96),  # an odd number of output columns (fwd): no paired stores
     ],
-    ids=["balanced", "skewed", "empty_groups", "g1", "unaligned", "small"],
+    ids=["balanced", "skewed", "empty_groups", "g1", "unaligned", "small", "odd_columns"],
 )
 def test_matches_reference(op, rule, kind, groups, m, n, k, gen):
     splits = _splits(kind, groups, m, gen)

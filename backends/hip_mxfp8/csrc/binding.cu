@@ -10,6 +10,7 @@
 
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "mxfp8_grouped.cuh"
@@ -87,13 +88,14 @@ void allow_smem(Kernel kernel, int bytes) {
 
 // Every row's scale range (gg_mxfp8::row_ranges_kernel) of `groups` x `rows` rows of `op`,
 // into `ranges` from element `first`; a pointer to them.
-const uint16_t* row_ranges(const Operand& op, int groups, int rows, int64_t kblocks, const torch::Tensor& ranges,
-                           int64_t first, cudaStream_t stream) {
+const uint16_t* row_ranges(const Operand& op, int groups, int rows, int64_t kblocks, const int32_t* token_ends,
+                           const torch::Tensor& ranges, int64_t first, cudaStream_t stream) {
   auto* dst = reinterpret_cast<uint16_t*>(ranges.data_ptr<int16_t>()) + first;
   const int64_t count = static_cast<int64_t>(groups) * rows;
   constexpr int threads = 256;
+  TORCH_CHECK((count + threads - 1) / threads < (int64_t{1} << 31), "problem too large for one launch");
   gg_mxfp8::row_ranges_kernel<<<static_cast<unsigned>((count + threads - 1) / threads), threads, 0, stream>>>(
-      op, groups, rows, kblocks, dst);
+      op, groups, rows, kblocks, token_ends, dst);
   return dst;
 }
 
@@ -110,11 +112,27 @@ void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand
 
 template <typename OutT, bool KOuter>
 void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& pad_ends,
-                  int nrows, int ncols, OutT* out, bool accumulate) {
+                  int nrows, int ncols, const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* out,
+                  bool accumulate) {
   const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
   const int smem = launch_smem(KOuter ? 2 : 0);
   allow_smem(kernel, smem);
-  kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, out, accumulate);
+  kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, a_ranges,
+                                                    b_ranges, out, accumulate);
+}
+
+// f(out's data pointer as float* or uint16_t* (bf16 bits), std::bool_constant<k_outer>): one
+// call per kernel instantiation.
+template <typename F>
+void with_out_and_layout(const torch::Tensor& out, bool k_outer, F f) {
+  if (out.scalar_type() == torch::kFloat32) {
+    if (k_outer) f(out.data_ptr<float>(), std::true_type{});
+    else f(out.data_ptr<float>(), std::false_type{});
+  } else {
+    auto* o = static_cast<uint16_t*>(out.data_ptr());
+    if (k_outer) f(o, std::true_type{});
+    else f(o, std::false_type{});
+  }
 }
 
 }  // namespace
@@ -150,18 +168,13 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   const uint16_t* b_ranges = nullptr;
   if (gg_mxfp8::PRESCALE) {
     const auto ranges = torch::empty({m + groups * ncols}, a_data.options().dtype(torch::kInt16));
-    a_ranges = row_ranges(a.op, 1, m, kblocks, ranges, 0, stream);
-    b_ranges = row_ranges(b.op, g, c, kblocks, ranges, m, stream);
+    a_ranges = row_ranges(a.op, 1, m, kblocks, nullptr, ranges, 0, stream);
+    b_ranges = row_ranges(b.op, g, c, kblocks, nullptr, ranges, m, stream);
   }
-  if (out.scalar_type() == torch::kFloat32) {
-    auto* o = out.data_ptr<float>();
-    if (b_k_outer) launch_rows<float, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
-    else launch_rows<float, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
-  } else {
-    auto* o = static_cast<uint16_t*>(out.data_ptr());
-    if (b_k_outer) launch_rows<uint16_t, true>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
-    else launch_rows<uint16_t, false>(grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
-  }
+  with_out_and_layout(out, b_k_outer, [&](auto* o, auto k_outer) {
+    launch_rows<std::remove_pointer_t<decltype(o)>, decltype(k_outer)::value>(
+        grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -186,15 +199,20 @@ void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const
   const dim3 grid(static_cast<unsigned>((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN),
                   static_cast<unsigned>((nrows + gg_mxfp8::BM - 1) / gg_mxfp8::BM), static_cast<unsigned>(groups));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int r = static_cast<int>(nrows), c = static_cast<int>(ncols);
-  if (out.scalar_type() == torch::kFloat32) {
-    if (k_outer) launch_wgrad<float, true>(grid, stream, a.op, b.op, pad_ends, r, c, out.data_ptr<float>(), accumulate);
-    else launch_wgrad<float, false>(grid, stream, a.op, b.op, pad_ends, r, c, out.data_ptr<float>(), accumulate);
-  } else {
-    auto* o = static_cast<uint16_t*>(out.data_ptr());
-    if (k_outer) launch_wgrad<uint16_t, true>(grid, stream, a.op, b.op, pad_ends, r, c, o, accumulate);
-    else launch_wgrad<uint16_t, false>(grid, stream, a.op, b.op, pad_ends, r, c, o, accumulate);
+  const int r = static_cast<int>(nrows), c = static_cast<int>(ncols), g = static_cast<int>(groups);
+  // The prescaled path's scale ranges of each group's rows over its tokens, found once here.
+  const uint16_t* a_ranges = nullptr;
+  const uint16_t* b_ranges = nullptr;
+  if (gg_mxfp8::PRESCALE) {
+    const auto ranges = torch::empty({groups * (nrows + ncols)}, a_data.options().dtype(torch::kInt16));
+    const int32_t* ends = pad_ends.data_ptr<int32_t>();
+    a_ranges = row_ranges(a.op, g, r, 0, ends, ranges, 0, stream);
+    b_ranges = row_ranges(b.op, g, c, 0, ends, ranges, groups * nrows, stream);
   }
+  with_out_and_layout(out, k_outer, [&](auto* o, auto k_outer_) {
+    launch_wgrad<std::remove_pointer_t<decltype(o)>, decltype(k_outer_)::value>(grid, stream, a.op, b.op, pad_ends, r,
+                                                                                c, a_ranges, b_ranges, o, accumulate);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -146,6 +146,11 @@ template <>
 struct OutStore<float> {
   __device__ __forceinline__ static float load(const float* p) { return *p; }
   __device__ __forceinline__ static void store(float* p, float v) { *p = v; }
+  // Two adjacent elements, 8-byte aligned.
+  __device__ __forceinline__ static float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+  __device__ __forceinline__ static void store2(float* p, float v0, float v1) {
+    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+  }
 };
 
 // bf16 output stored as raw bits (uint16_t), so this header needs no bf16 type header.
@@ -155,6 +160,14 @@ struct OutStore<uint16_t> {
     return __uint_as_float(static_cast<uint32_t>(*p) << 16);
   }
   __device__ __forceinline__ static void store(uint16_t* p, float v) { *p = bf16_bits(v); }
+  // Two adjacent elements, 4-byte aligned.
+  __device__ __forceinline__ static float2 load2(const uint16_t* p) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  __device__ __forceinline__ static void store2(uint16_t* p, float v0, float v1) {
+    *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(bf16_bits(v0)) | static_cast<uint32_t>(bf16_bits(v1)) << 16;
+  }
 };
 
 // One pipeline stage in shared memory: both operands' codes as [row][contraction byte]
@@ -381,17 +394,22 @@ __device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, i
   return !__syncthreads_or(hi - lo > MAX_SPREAD);
 }
 
-// Every row's (smallest, largest) scale byte over MX blocks [0, kblocks) of `op`'s `groups`
-// groups of `rows` rows, packed lo << 8 | hi into ranges[g * rows + r]: once per call, where
-// every tile of rows_kernel scanned its rows again (and waited on that before its first stage).
-__global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks, uint16_t* __restrict__ ranges) {
+// Every row's (smallest, largest) scale byte, for `groups` groups of `rows` rows, packed lo << 8 |
+// hi into ranges[g * rows + r]: once per call, where every tile scanned its rows again (and
+// waited on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
+// g (rows_kernel's weights), or with `token_ends` (wgrad), [token_ends[g-1], token_ends[g]) / 32
+// of op itself.
+__global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks,
+                                  const int32_t* __restrict__ token_ends, uint16_t* __restrict__ ranges) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<int64_t>(groups) * rows) return;
   const int64_t g = i / rows, r = i % rows;
-  const uint8_t* p = op.scale + g * op.gscale + r * op.srow;
+  const uint8_t* p = op.scale + r * op.srow + (token_ends ? 0 : g * op.gscale);
+  const int64_t kb_begin = token_ends && g ? token_ends[g - 1] / MX_BLOCK : 0;
+  const int64_t kb_end = token_ends ? token_ends[g] / MX_BLOCK : kblocks;
   int lo = 255, hi = 0;
 #pragma unroll 16
-  for (int64_t kb = 0; kb < kblocks; ++kb) {
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     const int s = p[kb * op.skb];
     lo = min(lo, s);
     hi = max(hi, s);
@@ -635,13 +653,14 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
   }
 }
 
-// f(element, tile row, tile column) for each of this thread's accumulators. Both layouts
-// repeat the m16n8 accumulator fragment (rows g and g+8, columns 2t and 2t+1):
+// f(element, element, tile row, tile column) for each pair of this thread's accumulators
+// at columns (c, c + 1), c even. Both layouts repeat the m16n8 accumulator fragment (rows g
+// and g+8, columns 2t and 2t+1):
 //   mma.sync: warp w owns rows 64 (w / 4) + [0, 64) in four fragments, columns 32 (w % 4) + [0, 32);
 //   wgmma (`Wg`): warpgroup w / 4 owns rows 64 (w / 4) + [0, 64), warp w % 4 rows 16 (w % 4) + [0, 16)
 //   of them, and every column: acc[mi][ni] is the m64n128 accumulator's fragment 4 mi + ni.
 template <bool Wg, typename Acc, typename F>
-__device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
+__device__ __forceinline__ void for_each_acc_pair(Acc& acc, F f) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wrow = (Wg ? (warp / 4) * WARP_M + (warp % 4) * 16 : (warp / (BN / WARP_N)) * WARP_M) + lane / 4;
@@ -651,11 +670,20 @@ __device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
 #pragma unroll
     for (int ni = 0; ni < FRAG_N; ++ni)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 4; j += 2) {
         const int row = wrow + (Wg ? 0 : mi * 16) + (j / 2) * 8;
-        const int col = wcol + (Wg ? (mi * FRAG_N + ni) * 8 : ni * 8) + (j % 2);
-        f(acc[mi][ni][j], row, col);
+        const int col = wcol + (Wg ? (mi * FRAG_N + ni) * 8 : ni * 8);
+        f(acc[mi][ni][j], acc[mi][ni][j + 1], row, col);
       }
+}
+
+// f(element, tile row, tile column) for each of this thread's accumulators (see above).
+template <bool Wg, typename Acc, typename F>
+__device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
+  for_each_acc_pair<Wg>(acc, [&](auto& v0, auto& v1, int r, int c) {
+    f(v0, r, c);
+    f(v1, r, c + 1);
+  });
 }
 
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
@@ -857,21 +885,32 @@ __device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, in
 }
 
 // Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
-// columns < cols, at out[r * ldo + c]; `wg_layout` as tile_product returned.
+// columns < cols, at out[r * ldo + c]; `wg_layout` as tile_product returned. Column pairs go
+// out as one store where out's rows keep them aligned (half the store instructions, which a
+// wgrad tile of one group's few tokens spends much of its time on).
 template <typename OutT>
 __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4], OutT* out, int64_t ldo, int rows,
                                            int cols, bool accumulate, bool wg_layout) {
-  const auto store = [&](float v, int r, int c) {
-    if (r < rows && c < cols) {
-      OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
-      if (accumulate) v += OutStore<OutT>::load(dst);
-      OutStore<OutT>::store(dst, v);
+  const bool paired = ldo % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(OutT)) == 0;
+  const auto store = [&](float v0, float v1, int r, int c) {
+    if (r >= rows) return;
+    OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
+    if (paired && c + 1 < cols) {
+      if (accumulate) {
+        const float2 old = OutStore<OutT>::load2(dst);
+        v0 += old.x;
+        v1 += old.y;
+      }
+      OutStore<OutT>::store2(dst, v0, v1);
+      return;
     }
+    if (c < cols) OutStore<OutT>::store(dst, accumulate ? v0 + OutStore<OutT>::load(dst) : v0);
+    if (c + 1 < cols) OutStore<OutT>::store(dst + 1, accumulate ? v1 + OutStore<OutT>::load(dst + 1) : v1);
   };
   if (GG_MXFP8_WGMMA_HERE && wg_layout)
-    for_each_acc<true>(acc, store);
+    for_each_acc_pair<true>(acc, store);
   else
-    for_each_acc<false>(acc, store);
+    for_each_acc_pair<false>(acc, store);
 }
 
 // fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
@@ -916,7 +955,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename OutT, bool KOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_kernel(Operand a, Operand b, const int32_t* __restrict__ pad_ends, int nrows, int ncols,
-                 OutT* __restrict__ out, bool accumulate) {
+                 const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* __restrict__ out, bool accumulate) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int g = blockIdx.z;
   const int64_t t0 = g ? pad_ends[g - 1] : 0;
@@ -926,8 +965,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int rows = min(BM, nrows - row0);
   const int cols = min(BN, ncols - col0);
   float acc[FRAG_M][FRAG_N][4];
-  const bool wg = tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK,
-                                               RowRanges{nullptr, nullptr}, acc);
+  // Each group's rows' scale ranges over its tokens (row_ranges_kernel), or null.
+  const RowRanges ranges{a_ranges ? a_ranges + static_cast<int64_t>(g) * nrows + row0 : nullptr,
+                         b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
+  const bool wg =
+      tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges, acc);
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
   store_tile(acc, dst, ncols, rows, cols, accumulate, wg);
 }
