@@ -12,12 +12,12 @@ dgrad   dy along N, as quantized           w along N, as quantized: (G, N, K), k
 wgrad   dy along M per group, k-outer      x along M per group, k-outer: (M', K)
 ======  =================================  ========================================
 
-A k-outer operand (contraction along its first axis) is read as it is and transposed in
-shared memory by the kernel; that needs its other axis to be whole 16-byte lines (K for
-dgrad, N and K for wgrad). Where it is not, the operand is transposed by a ``torch`` copy
-on the device first (no sync; the 1-byte copy is slow: on the H200 it cost dgrad most of
-its time). Contraction lengths that are not multiples of 32 are zero-padded by the
-quantizer (``pad=True``); wgrad pads every group's tokens to 32.
+A k-outer operand (contraction along its first axis) is read as it is and transposed on
+chip by the kernel; that needs its other axis to be whole 16-byte lines (K for dgrad, N and
+K for wgrad). Where it is not, the operand is transposed by a ``torch`` copy on the device
+first (no sync; the 1-byte copy is slow: on the H200 it cost dgrad most of its time).
+Contraction lengths that are not multiples of 32 are zero-padded by the quantizer
+(``pad=True``); wgrad pads every group's tokens to 32.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ PRIORITY = {"sm_89": 30, "sm_90": 30, "gfx950": 10}
 
 
 class HipMxfp8Backend(Backend):
-    """MXFP8 grouped GEMM in compiled CUDA/HIP: mma.sync e4m3 with per-block scale promotion."""
+    """MXFP8 grouped GEMM in compiled CUDA/HIP: f16 products of prescaled E4M3 codes (wgmma on
+    sm_90a), per-block scale promotion where a tile's scales spread too widely for that."""
 
     spec = BackendSpec(
         name="hip_mxfp8",
         version=__version__,
-        description="compiled MXFP8 grouped GEMM (built on first use): mma.sync e4m3 + per-32-block "
-        "promotion on sm_89/sm_90; portable inner product on gfx950; below triton_mxfp8 until measured",
+        description="compiled MXFP8 grouped GEMM (built on first use): codes prescaled to f16 by their "
+        "block scales on wgmma (sm_90a) or mma.sync (sm_89), per-32-block promotion where scales spread "
+        "widely; portable inner product on gfx950; below triton_mxfp8 until timed against it",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         recipes=frozenset({"mxfp8"}),
         vendors=frozenset({"cuda", "rocm"}),
