@@ -34,8 +34,6 @@ TILE_ROWS = 128
 BLOCK = 32
 #: A k-outer operand is copied in 16-byte lines along its rows (csrc: load_codes).
 K_OUTER_LINE = 16
-#: Where the mma.sync path runs; gfx950 runs the portable inner product (see the docs).
-MMA_SYNC_ARCHS = ("sm_89", "sm_90")
 #: The HipKittens gfx950 MXFP8 grouped GEMM contract (ROCm TransformerEngine PR 661),
 #: declared for gfx950 so this backend is never chosen where that kernel would refuse.
 HK_MAX_GROUPS = 512
@@ -50,7 +48,7 @@ class HipMxfp8Backend(Backend):
         name="hip_mxfp8",
         version=__version__,
         description="compiled MXFP8 grouped GEMM (built on first use): codes prescaled to f16 by their "
-        "block scales on wgmma (sm_90a) or mma.sync (sm_89), per-32-block promotion where scales spread "
+        "block scales on wgmma (sm_90a), per-32-block promotion where scales spread "
         "widely; portable inner product on gfx950; below triton_mxfp8 until timed against it",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         recipes=frozenset({"mxfp8"}),
@@ -90,7 +88,7 @@ class HipMxfp8Backend(Backend):
         return [] if outcome.ok else [_build_reason(outcome)]
 
     def priority(self, problem: Problem) -> int:
-        """30 on sm_89 / sm_90 (below ``triton_mxfp8``'s 80 until measured), 10 on gfx950."""
+        """30 on sm_90 (below ``triton_mxfp8``'s 80 until timed against it), 10 on gfx950."""
         return PRIORITY.get(problem.device.arch, self.spec.priority)
 
     def status(self) -> str:
@@ -159,6 +157,14 @@ def _arch_reasons(problem: Problem) -> list[Reason]:
                 "arch",
                 "gfx942's fp8 MFMA takes the FNUZ e4m3 encoding (bias 8, 0x80 is NaN); this backend has no "
                 "exact OCP -> FNUZ conversion, so it does not run there",
+            )
+        ]
+    if arch == "sm_89":
+        return [
+            Reason(
+                "arch",
+                "the kernels' pipeline takes 120-160 KB of shared memory per block (three stages of 40 KB); "
+                "sm_89 allows 99 KB, so it does not run there",
             )
         ]
     if arch != "gfx950":
