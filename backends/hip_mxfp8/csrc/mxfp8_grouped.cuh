@@ -6,7 +6,7 @@
 //   contraction-major: row r holds its contraction bytes contiguously (row stride `ld`);
 //   k-outer: contraction step k holds the operand's rows contiguously (step stride `ld`):
 //     the layout of a weight blocked along N for dgrad, and of wgrad's token-major dy and x,
-//     read as they are (no transposing copy per call) and transposed in shared memory.
+//     read as they are (no transposing copy per call) and transposed on chip.
 // Scale bytes are addressed by two strides, per row and per MX block.
 //   rows_kernel  (fwd, dgrad): out[m, c] = sum_k A[m, k] * B_g(m)[c, k]
 //                               over ragged row groups, tile schedule from device offsets.
@@ -19,13 +19,15 @@
 // Inner product per target:
 //   sm_89 and newer (not GG_MXFP8_PORTABLE), two paths chosen per output tile:
 //   - prescaled (when every row of the tile's two operands has block scales within 15 binades
-//     of its largest over the whole contraction): fragments are converted to f16 and multiplied
-//     by 2^(scale - row's largest scale), which is exact (an E4M3 value times 2^-15 or more is
-//     still an f16 value); f16 mma.sync m16n8k16 then accumulates every MX block into one fp32
-//     accumulator, and the two rows' largest scales are applied once at the end. Per-block
-//     promotion (an FADD, FMUL and FFMA per accumulator per block) was most of the
-//     instructions issued by the kernel, which was issue- and latency-bound (Nsight Compute,
-//     docs/performance.md).
+//     of its largest over the whole contraction, found per call by row_ranges_kernel): codes
+//     are converted to f16 and multiplied by 2^(scale - row's largest scale), which is exact
+//     (an E4M3 value times 2^-15 or more is still an f16 value); f16 MMAs then accumulate
+//     every MX block into one fp32 accumulator, and the two rows' largest scales are applied
+//     once at the end. sm_90a: each stage converted into swizzled f16 tiles in shared memory
+//     that two warpgroups multiply by wgmma (wgmma_pipeline); elsewhere converted fragments
+//     and mma.sync m16n8k16. Per-block promotion (an FADD, FMUL and FFMA per accumulator per
+//     block) was most of the instructions issued by the kernel, which was issue- and
+//     latency-bound (Nsight Compute, docs/performance.md).
 //   - exact per block (wider spreads, NaN scales): mma.sync m16n8k32 e4m3 x e4m3 -> f32, one
 //     MX block of K per instruction, promoted into fp32 accumulators with the two block scales.
 //   everything else (ROCm, or GG_MXFP8_PORTABLE on CUDA): the same fragments computed by each
