@@ -43,6 +43,7 @@ import triton
 
 import grouped_gemm as gg
 from grouped_gemm.bench.shapes import Case, select_cases
+from grouped_gemm.bench.timing import back_to_back_ms
 
 try:  # the built-in Triton backends' weight layouts (for the fused-prep columns)
     from grouped_gemm.backends.triton_mx import layouts
@@ -135,16 +136,6 @@ class Trainer:
                 self.step()
 
 
-def timed_ms(fn: Callable[[], None], calls: int) -> float:
-    """Per-call ms of ``calls`` back-to-back calls between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
 def train_steps(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median step time per recipe on one case, recipes interleaved in rounds."""
     gen = torch.Generator("cuda").manual_seed(0)  # on the GPU: a CPU randn of these takes seconds
@@ -160,7 +151,7 @@ def train_steps(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
     for r in range(args.rounds if live else 0):
         first = r % len(live)
         for t in live[first:] + live[:first]:
-            rounds[t.recipe].append(timed_ms(lambda t=t: t.run(args.steps), args.steps))
+            rounds[t.recipe].append(back_to_back_ms(lambda t=t: t.run(1), args.steps))
     bf16 = statistics.median(rounds["bf16"]) if "bf16" in rounds else None
     kernels = {t.recipe: kernel_times(t) for t in live} if args.profile else {}
     rows = []
