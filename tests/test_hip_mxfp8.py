@@ -215,8 +215,8 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_k_outer_operands_equal_their_transposed_copies(out_dtype, gen):
-    """dgrad's weight and wgrad's token-major operands are read as quantized and transposed in
-    shared memory: bit for bit the result of the contraction-major copies (empty and
+    """dgrad's weight and wgrad's token-major operands are read as quantized and transposed on
+    chip: bit for bit the result of the contraction-major copies (empty and
     partial groups, columns short of a tile, NaN scales)."""
     fast = build.ensure(
         gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch, "cuda"

@@ -32,7 +32,7 @@ from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 #: Output rows per tile of the rows kernel (mxfp8_grouped.cuh: BM).
 TILE_ROWS = 128
 BLOCK = 32
-#: A k-outer operand is copied in 16-byte lines along its rows (csrc: load_codes).
+#: A k-outer operand is copied in 16-byte lines along its rows (csrc: StageLoader::copy_codes).
 K_OUTER_LINE = 16
 #: The HipKittens gfx950 MXFP8 grouped GEMM contract (ROCm TransformerEngine PR 661),
 #: declared for gfx950 so this backend is never chosen where that kernel would refuse.

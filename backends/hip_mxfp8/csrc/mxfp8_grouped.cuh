@@ -99,7 +99,7 @@ constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its co
 
 // wgmma (sm_90a) reads the prescaled f16 operands from shared memory, half a stage at a time:
 // 64 contraction steps = one 128-byte row of the 128-byte swizzle, double-buffered.
-constexpr bool WGMMA_BUILD = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA;
+constexpr bool WGMMA_BUILD = PRESCALE && GG_MXFP8_WGMMA;
 constexpr int HALF_K = BK / 2;
 constexpr int SWIZZLE_ROW = HALF_K * 2;                 // bytes: 64 f16
 constexpr int SWIZZLE_ATOM = 8 * SWIZZLE_ROW;           // 8 rows: the swizzle's period, and its alignment
@@ -358,47 +358,33 @@ struct TileLoader {
 };
 
 // The (smallest, largest) scale byte of every row of the tile's two operands, packed lo << 8 |
-// hi and indexed from the tile's first row (`a`, `b`); null where a tile scans its rows itself.
+// hi (row_ranges_kernel) and indexed from the tile's first row (`a`, `b`); null in builds
+// without the prescaled path, which never read them.
 struct RowRanges {
   const uint16_t* a;
   const uint16_t* b;
 };
 
-// Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's rows,
-// then B's; 0 for rows outside the operands), and whether every row's scales lie within
-// MAX_SPREAD binades of it: the condition of the prescaled path, decided for the whole tile.
-// From `ranges` where given, else scanned here.
-__device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, int a_rows, const Operand& b,
-                                             int64_t b_row0, int b_rows, int64_t kb_begin, int64_t kb_end,
-                                             RowRanges ranges, int32_t* ref) {
+// Each operand row's largest scale byte into ref[] (A's rows, then B's; 0 for rows outside the
+// operands), and whether every row's scales lie within MAX_SPREAD binades of it: the
+// condition of the prescaled path, decided for the whole tile.
+__device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, RowRanges ranges, int32_t* ref) {
   const int tid = threadIdx.x;
   const bool is_a = tid < BM;
   const int r = is_a ? tid : tid - BM;
   int lo = 255, hi = 0;
   if (r < (is_a ? a_rows : b_rows)) {
-    const uint16_t* range = is_a ? ranges.a : ranges.b;
-    if (range != nullptr) {
-      lo = range[r] >> 8;
-      hi = range[r] & 0xff;
-    } else {
-      const int64_t row = (is_a ? a_row0 : b_row0) + r;
-      const int64_t skb = is_a ? a.skb : b.skb;
-      const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
-#pragma unroll 16  // sixteen loads in flight: a tile waits on this before its first stage
-      for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-        const int s = p[kb * skb];
-        lo = min(lo, s);
-        hi = max(hi, s);
-      }
-    }
+    const uint16_t range = (is_a ? ranges.a : ranges.b)[r];
+    lo = range >> 8;
+    hi = range & 0xff;
   }
   ref[tid] = hi;
   return !__syncthreads_or(hi - lo > MAX_SPREAD);
 }
 
 // Every row's (smallest, largest) scale byte, for `groups` groups of `rows` rows, packed lo << 8 |
-// hi into ranges[g * rows + r]: once per call, where every tile scanned its rows again (and
-// waited on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
+// hi into ranges[g * rows + r]: once per call (each tile used to scan its rows again, and wait
+// on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
 // g (rows_kernel's weights), or with `token_ends` (wgrad), [token_ends[g-1], token_ends[g]) / 32
 // of op itself.
 __global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks,
@@ -688,6 +674,14 @@ __device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
   });
 }
 
+// acc *= 2^(ref_a[row] - 127) * 2^(ref_b[column] - 127): the prescaled path's rows' largest
+// scales, applied once at the end (in the per-block path's order), in either layout.
+template <bool Wg>
+__device__ __forceinline__ void apply_row_scales(float (&acc)[FRAG_M][FRAG_N][4], const int32_t* ref_a,
+                                                 const int32_t* ref_b) {
+  for_each_acc<Wg>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+}
+
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
 // +b_rows), on one path (see the header; `ref` holds the rows' largest scales): a STAGES-deep
 // pipeline of asynchronous copies, one barrier a stage (two with a k-outer operand, whose tile
@@ -722,8 +716,7 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
     if (next < tiles) loader.store_scales(upcoming, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
-  if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
-    for_each_acc<false>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+  if constexpr (Prescaled) apply_row_scales<false>(acc, ref_a, ref_b);
   __syncthreads();  // the caller may reuse shared memory
 }
 
@@ -858,7 +851,7 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
   copy_wait<0>();
   wgmma_wait<0>();
   pin_acc(acc);
-  for_each_acc<true>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+  apply_row_scales<true>(acc, ref_a, ref_b);
   __syncthreads();  // the caller may reuse shared memory
 }
 #endif  // GG_MXFP8_WGMMA_HERE
@@ -873,7 +866,7 @@ __device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, in
   __shared__ int32_t ref[BM + BN];
   for_each_acc<false>(acc, [](float& v, int, int) { v = 0.0f; });
   if (kb_end <= kb_begin) return false;
-  if (PRESCALE && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ranges, ref)) {
+  if (PRESCALE && scale_ranges(a_rows, b_rows, ranges, ref)) {
 #if GG_MXFP8_WGMMA_HERE
     wgmma_pipeline<AKOuter, BKOuter>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
     return true;
