@@ -27,6 +27,7 @@ import grouped_gemm as gg
 from grouped_gemm.bench.shapes import select_cases
 from grouped_gemm.bench.timing import back_to_back_ms
 from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.testing import sqnr_db
 
 p = argparse.ArgumentParser()
 p.add_argument("--variants", default="new=backends/hip_mxfp8/csrc")
@@ -177,7 +178,7 @@ def wgrad_row(case, kind):
     }
     want = gg.grouped_gemm_wgrad(dy, x, splits, recipe="mxfp8", backend="reference", out_dtype=torch.float32)
     got = fns["api"]().float()
-    sq = (10 * torch.log10((want.double() ** 2).sum() / ((got.double() - want.double()) ** 2).sum())).item()
+    sq = sqnr_db(got, want)
     med = interleaved(fns)
     row = dict(
         case=case.name,
@@ -227,18 +228,13 @@ def kernel_row(case, op, kind):
     w_deq = d["w"].dequantize()
     deq_a = d["a"].dequantize()
     ends = [0] + list(torch.tensor(d["splits"]).cumsum(0).tolist())
-    sq = {}
-    for name, got_all in outs.items():
-        errs, sig = 0.0, 0.0
-        for g in [i for i, s in enumerate(d["splits"]) if s > 0][:: max(1, case.groups // 8)]:
-            r = ends[g]
-            nr = min(4, d["splits"][g])
-            ref = deq_a[r : r + nr, : w_deq.shape[2] if op == "fwd" else w_deq.shape[1]].double()
-            ref = ref @ (w_deq[g].T if op == "fwd" else w_deq[g]).double()
-            got = got_all[r : r + nr].double()
-            errs += ((got - ref) ** 2).sum().item()
-            sig += (ref**2).sum().item()
-        sq[name] = round(10 * torch.log10(torch.tensor(sig / max(errs, 1e-300))).item(), 2)
+    sampled = [i for i, s in enumerate(d["splits"]) if s > 0][:: max(1, case.groups // 8)]
+    picks = [(ends[g], min(4, d["splits"][g]), g) for g in sampled]  # (first row, rows, group)
+    width = w_deq.shape[2] if op == "fwd" else w_deq.shape[1]
+    ref = torch.cat(
+        [deq_a[r : r + nr, :width].double() @ (w_deq[g].T if op == "fwd" else w_deq[g]).double() for r, nr, g in picks]
+    )
+    sq = {name: round(sqnr_db(torch.cat([o[r : r + nr] for r, nr, _ in picks]), ref), 2) for name, o in outs.items()}
     med = interleaved(fns)
     row = dict(
         case=case.name,
