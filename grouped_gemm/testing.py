@@ -18,17 +18,26 @@ from grouped_gemm.recipes import get_recipe
 POISON = float("nan")
 
 
+_SQNR_CHUNK = 1 << 24
+
+
 def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: ``10 log10(|ref|^2 / |out - ref|^2)``.
 
     NaN or Inf anywhere in ``actual`` gives ``-inf``; an exact match gives ``inf``.
     """
-    a = actual.detach().to(torch.float64)
-    e = expected.detach().to(torch.float64)
-    if not torch.isfinite(a).all():
-        return -math.inf
-    noise = torch.sum((a - e) ** 2).item()
-    signal = torch.sum(e**2).item()
+    a = actual.detach().reshape(-1)
+    e = expected.detach().reshape(-1)
+    noise = signal = 0.0
+    # float64 copies a chunk at a time: a whole wgrad result of a large MoE layer would not
+    # fit on the GPU beside the operands twice over
+    for i in range(0, a.numel(), _SQNR_CHUNK):
+        ac = a[i : i + _SQNR_CHUNK].to(torch.float64)
+        ec = e[i : i + _SQNR_CHUNK].to(torch.float64)
+        if not torch.isfinite(ac).all():
+            return -math.inf
+        noise += torch.sum((ac - ec) ** 2).item()
+        signal += torch.sum(ec**2).item()
     if noise == 0.0:
         return math.inf
     if signal == 0.0:

@@ -257,7 +257,7 @@ _CUOBJDUMP = shutil.which("cuobjdump") or next(
     ("target", "defines", "instruction"),
     [
         ("sm_89", [], r"QMMA\.16832\.F32\.E4M3\.E4M3"),  # native fp8 mma.sync
-        ("sm_90a", [], r"HGMMA\.64x128x16\.F32"),  # the prescaled path on wgmma
+        ("sm_90a", [], r"HGMMA\.64x256x16\.F32"),  # the prescaled path on wgmma
         ("sm_90a", ["-DGG_MXFP8_WGMMA=0"], r"F2FP\.F16\.E4M3\.UNPACK_B"),  # ptxas: e4m3 -> f16, then HMMA.16816
         ("sm_90a", ["-DGG_MXFP8_PORTABLE"], r"FFMA"),  # the ROCm inner product, compiled for CUDA
     ],

@@ -154,7 +154,7 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   check_ends(row_ends, groups, "row_ends");
   check_ends(tile_ends, groups, "tile_ends");
   if (a_data.size(0) == 0 || ncols == 0 || max_tiles <= 0) return;
-  const int64_t blocks = max_tiles * ((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN);
+  const int64_t blocks = max_tiles * ((ncols + gg_mxfp8::TILE_N - 1) / gg_mxfp8::TILE_N);
   TORCH_CHECK(blocks < (int64_t{1} << 31), "problem too large for one launch: ", blocks, " tiles");
   const c10::cuda::CUDAGuard guard(a_data.device());
   const dim3 grid(static_cast<unsigned>(blocks));
@@ -196,7 +196,7 @@ void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const
   if (groups == 0 || nrows == 0 || ncols == 0) return;
   TORCH_CHECK(groups <= 65535, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(a_data.device());
-  const dim3 grid(static_cast<unsigned>((ncols + gg_mxfp8::BN - 1) / gg_mxfp8::BN),
+  const dim3 grid(static_cast<unsigned>((ncols + gg_mxfp8::TILE_N - 1) / gg_mxfp8::TILE_N),
                   static_cast<unsigned>((nrows + gg_mxfp8::BM - 1) / gg_mxfp8::BM), static_cast<unsigned>(groups));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int r = static_cast<int>(nrows), c = static_cast<int>(ncols), g = static_cast<int>(groups);

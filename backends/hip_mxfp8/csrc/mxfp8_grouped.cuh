@@ -75,7 +75,8 @@
 namespace gg_mxfp8 {
 
 constexpr int BM = 128;            // output rows per block
-constexpr int BN = 128;            // output columns per block
+constexpr int BN = 128;            // output columns of the per-block path's pass (two a block)
+constexpr int TILE_N = 2 * BN;     // output columns per block: one m64n256 wgmma per warpgroup
 constexpr int BK = 128;            // contraction bytes per pipeline stage (four MX blocks)
 constexpr int MX_BLOCK = 32;       // MX block: one m16n8k32 instruction
 constexpr int KB_UNROLL = GG_MXFP8_KB_UNROLL;
@@ -86,12 +87,12 @@ constexpr int WARP_M = 64;         // rows per warp: 4 fragments of 16
 constexpr int WARP_N = 32;         // columns per warp: 4 fragments of 8
 constexpr int FRAG_M = WARP_M / 16;
 constexpr int FRAG_N = WARP_N / 8;
+using Acc = float[FRAG_M][FRAG_N][4];  // a thread's accumulators of BM x BN outputs
+using TileAcc = Acc[2];                // of the block's BM x TILE_N: column halves
 // Shared-memory row pitch: 144 bytes, so the eight 16-byte rows one ldmatrix reads fall in
 // eight distinct 16-byte bank groups, and every row start stays 16-byte aligned.
 constexpr int PITCH = BK + 16;
 constexpr int TILE_BYTES = BM * PITCH;              // one operand's codes in one stage
-constexpr int CHUNKS_PER_THREAD = BM * BK / 16 / THREADS;
-constexpr int SCALES_PER_THREAD = BM * KB_PER_TILE / THREADS;
 constexpr int BLOCKS4_PER_THREAD = BM * BK / 16 / THREADS;  // 4x4-byte blocks transposed a stage
 constexpr bool PRESCALE = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE;
 constexpr int MAX_SPREAD = 15;       // binades below a row's largest scale the prescaled path takes
@@ -99,15 +100,15 @@ constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its co
 
 // wgmma (sm_90a) reads the prescaled f16 operands from shared memory, half a stage at a time:
 // 64 contraction steps = one 128-byte row of the 128-byte swizzle, double-buffered.
-constexpr bool WGMMA_BUILD = PRESCALE && GG_MXFP8_WGMMA;
+constexpr bool WGMMA_BUILD = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA;
 constexpr int HALF_K = BK / 2;
 constexpr int SWIZZLE_ROW = HALF_K * 2;                 // bytes: 64 f16
 constexpr int SWIZZLE_ATOM = 8 * SWIZZLE_ROW;           // 8 rows: the swizzle's period, and its alignment
-constexpr int F16_TILE = BM * SWIZZLE_ROW;              // one operand's f16 half-stage
-constexpr int WGMMA_BYTES = SWIZZLE_ATOM + 2 * 2 * F16_TILE;  // two buffers of (A, B), plus alignment slack
+constexpr int F16_A = BM * SWIZZLE_ROW;                 // A's f16 half-stage
+constexpr int F16_B = TILE_N * SWIZZLE_ROW;             // B's
+constexpr int WG_STAGES = 2;                            // code stages of the wgmma path (twice the columns)
 
-static_assert(BM == BN && BK == BM, "one chunk map and one square transpose serve both operands");
-static_assert(BM + BN == THREADS, "one thread per operand row finds the row's scale range");
+static_assert(BM == BN && BK == BM, "one square transpose serves both operands");
 static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
 
 // One operand: E4M3 codes and their E8M0 scale bytes (see the layouts above). `gdata` and
@@ -176,19 +177,26 @@ struct OutStore<uint16_t> {
 // (a k-outer operand lands here as [contraction byte][row] and is transposed into `work`),
 // and the block scales, [MX block][row]: fp32 bits on the per-block path, an f16x2 pair of
 // 2^(scale - row's largest) on the prescaled path.
-struct Stage {
+// `BRows` rows of B: BN on the per-block path (a column half of the tile), TILE_N on wgmma's.
+template <int BRows>
+struct StageOf {
+  static constexpr int B_ROWS = BRows;
   uint8_t a[TILE_BYTES];
-  uint8_t b[TILE_BYTES];
+  uint8_t b[BRows * PITCH];
   uint32_t sa[KB_PER_TILE][BM];
-  uint32_t sb[KB_PER_TILE][BN];
+  uint32_t sb[KB_PER_TILE][BRows];
 };
+using Stage = StageOf<BN>;
+using WgStage = StageOf<TILE_N>;
 
-// Dynamic shared memory of a launch: the stages, then one region used either by one transpose
-// buffer per k-outer operand (per-block path) or by the wgmma path's f16 buffers (`wgmma`:
-// the device is sm_90 and the build has that path).
+// Dynamic shared memory of a launch, shared by a block's two paths: the per-block path's
+// stages, then one transpose buffer per k-outer operand; the wgmma path's (`wgmma`: the device
+// is sm_90 and the build has that path) stages, then its f16 buffers (two of A and B, plus
+// slack to align them to the swizzle's 1024 bytes).
 constexpr int smem_bytes(int kouter_operands, bool wgmma) {
-  const int transposed = kouter_operands * TILE_BYTES;
-  return STAGES * static_cast<int>(sizeof(Stage)) + (wgmma && transposed < WGMMA_BYTES ? WGMMA_BYTES : transposed);
+  const int per_block = STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
+  const int wg = WG_STAGES * static_cast<int>(sizeof(WgStage)) + SWIZZLE_ATOM + 2 * (F16_A + F16_B);
+  return wgmma && wg > per_block ? wg : per_block;
 }
 
 // 16 bytes global -> shared, zeros where `valid` is false. Asynchronous (cp.async, zero
@@ -228,9 +236,11 @@ __device__ __forceinline__ uint32_t pow2_f16x2(int e) {
 // stage (a row, or a contraction step if KOuter), at byte (tid % 8) * 16 of the line. Scales:
 // slot i is (row r0 + i dr, MX block kb0 + i dkb) of the stage, one map for loading and
 // storing, so neighbouring threads read neighbouring bytes in either scale layout.
-template <bool KOuter>
+template <bool KOuter, int Rows>
 struct StageLoader {
   static constexpr int LINES_APART = THREADS / (BK / 16);
+  static constexpr int CHUNKS = Rows * BK / 16 / THREADS;
+  static constexpr int SCALES = Rows * KB_PER_TILE / THREADS;
   const uint8_t* code;   // chunk 0 at MX block 0
   const uint8_t* any;    // a readable address for the zero-filled copies
   int64_t code_kb;       // bytes per MX block along the contraction
@@ -242,7 +252,7 @@ struct StageLoader {
   const uint8_t* scale;  // slot 0 at MX block 0
   int64_t scale_kb, scale_slot;
   int r0, dr, kb0, dkb;
-  int32_t ref[SCALES_PER_THREAD];  // the slots' rows' largest scales (prescaled path)
+  int32_t ref[SCALES];  // the slots' rows' largest scales (prescaled path)
 
   __device__ __forceinline__ StageLoader(const Operand& op, int64_t row0, int rows_, int64_t kb_end_)
       : any(op.data), kb_end(kb_end_), inside(0), rows(rows_) {
@@ -254,13 +264,13 @@ struct StageLoader {
     code_kb = KOuter ? MX_BLOCK * op.ld : MX_BLOCK;
     k0 = KOuter ? line : byte;
 #pragma unroll
-    for (int i = 0; i < CHUNKS_PER_THREAD; ++i)
+    for (int i = 0; i < CHUNKS; ++i)
       inside |= static_cast<uint32_t>(KOuter ? byte < rows : line + i * LINES_APART < rows) << i;
     const bool by_row = op.srow == 1;  // scale bytes of neighbouring rows adjacent
-    r0 = by_row ? tid % BM : tid / KB_PER_TILE;
+    r0 = by_row ? tid % Rows : tid / KB_PER_TILE;
     dr = by_row ? 0 : THREADS / KB_PER_TILE;
-    kb0 = by_row ? tid / BM : tid % KB_PER_TILE;
-    dkb = by_row ? THREADS / BM : 0;
+    kb0 = by_row ? tid / Rows : tid % KB_PER_TILE;
+    dkb = by_row ? THREADS / Rows : 0;
     scale = op.scale + (row0 + r0) * op.srow + kb0 * op.skb;
     scale_kb = op.skb;
     scale_slot = dr * op.srow + dkb * op.skb;
@@ -274,7 +284,7 @@ struct StageLoader {
     uint8_t* d = dst + (tid / (BK / 16)) * PITCH + (tid % (BK / 16)) * 16;
     const int64_t k = kb * MX_BLOCK + k0;
 #pragma unroll
-    for (int i = 0; i < CHUNKS_PER_THREAD; ++i) {
+    for (int i = 0; i < CHUNKS; ++i) {
       const bool valid = (inside >> i & 1u) && (KOuter ? k + i * LINES_APART : k) < kb_end * MX_BLOCK;
       copy16(d + i * LINES_APART * PITCH, valid ? src + i * code_chunk : any, valid);
     }
@@ -282,10 +292,10 @@ struct StageLoader {
 
   // The stage's scale bytes, loaded into registers (E8M0 bytes need no 4-byte alignment, which
   // cp.async would); NO_SCALE outside the operand.
-  __device__ __forceinline__ void load_scales(int64_t kb, uint32_t (&s)[SCALES_PER_THREAD]) const {
+  __device__ __forceinline__ void load_scales(int64_t kb, uint32_t (&s)[SCALES]) const {
     const uint8_t* p = scale + kb * scale_kb;
 #pragma unroll
-    for (int i = 0; i < SCALES_PER_THREAD; ++i)
+    for (int i = 0; i < SCALES; ++i)
       s[i] = r0 + i * dr < rows && kb + kb0 + i * dkb < kb_end ? p[i * scale_slot] : NO_SCALE;
   }
 
@@ -293,15 +303,15 @@ struct StageLoader {
   // every stage's store_scales does without a shared-memory load).
   __device__ __forceinline__ void bind(const int32_t* rows_ref) {
 #pragma unroll
-    for (int i = 0; i < SCALES_PER_THREAD; ++i) ref[i] = rows_ref[r0 + i * dr];
+    for (int i = 0; i < SCALES; ++i) ref[i] = rows_ref[r0 + i * dr];
   }
 
   // Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
   // operand), or 2^(s - the row's largest scale) as f16x2 (prescaled path, after bind).
-  __device__ __forceinline__ void store_scales(uint32_t (&dst)[KB_PER_TILE][BM], const uint32_t (&s)[SCALES_PER_THREAD],
+  __device__ __forceinline__ void store_scales(uint32_t (&dst)[KB_PER_TILE][Rows], const uint32_t (&s)[SCALES],
                                                bool prescaled) const {
 #pragma unroll
-    for (int i = 0; i < SCALES_PER_THREAD; ++i) {
+    for (int i = 0; i < SCALES; ++i) {
       const int r = r0 + i * dr;
       const int kb = kb0 + i * dkb;
       if (prescaled)
@@ -312,20 +322,21 @@ struct StageLoader {
   }
 };
 
-// Both operands' loaders of one tile, and the scale bytes in flight between a stage's load
-// (issued with its copies) and its store into shared memory (after the math of another stage).
-template <bool AKOuter, bool BKOuter>
+// Both operands' loaders of one tile (B: `StageT::B_ROWS` rows), and the scale bytes in flight
+// between a stage's load (issued with its copies) and its store into shared memory (after the
+// math of another stage).
+template <bool AKOuter, bool BKOuter, typename StageT>
 struct TileLoader {
-  StageLoader<AKOuter> a;
-  StageLoader<BKOuter> b;
-  uint32_t scale_a[SCALES_PER_THREAD], scale_b[SCALES_PER_THREAD];
+  StageLoader<AKOuter, BM> a;
+  StageLoader<BKOuter, StageT::B_ROWS> b;
+  uint32_t scale_a[decltype(a)::SCALES], scale_b[decltype(b)::SCALES];
 
   __device__ __forceinline__ TileLoader(const Operand& op_a, int64_t a_row0, int a_rows, const Operand& op_b,
                                         int64_t b_row0, int b_rows, int64_t kb_end)
       : a(op_a, a_row0, a_rows, kb_end), b(op_b, b_row0, b_rows, kb_end) {}
 
   // Copies and scale loads of the stage starting at MX block kb.
-  __device__ __forceinline__ void issue(int64_t kb, Stage& stage) {
+  __device__ __forceinline__ void issue(int64_t kb, StageT& stage) {
     a.copy_codes(kb, stage.a);
     b.copy_codes(kb, stage.b);
     a.load_scales(kb, scale_a);
@@ -333,21 +344,22 @@ struct TileLoader {
   }
 
   // The scale words of the last issued stage.
-  __device__ __forceinline__ void store_scales(Stage& stage, bool prescaled) const {
+  __device__ __forceinline__ void store_scales(StageT& stage, bool prescaled) const {
     a.store_scales(stage.sa, scale_a, prescaled);
     b.store_scales(stage.sb, scale_b, prescaled);
   }
 
-  // The first STAGES - 1 stages of [kb_begin, kb_begin + tiles stages), one commit group each;
-  // `ref`: A's rows' largest scales, then B's (prescaled path).
-  __device__ __forceinline__ void prologue(Stage* stages, int64_t kb_begin, int64_t tiles, const int32_t* ref,
-                                           bool prescaled) {
+  // The first `stages_ahead` stages of [kb_begin, kb_begin + tiles stages), one commit group
+  // each; `ref_a`, `ref_b`: the rows' largest scales (prescaled path).
+  template <int stages_ahead>
+  __device__ __forceinline__ void prologue(StageT* stages, int64_t kb_begin, int64_t tiles, const int32_t* ref_a,
+                                           const int32_t* ref_b, bool prescaled) {
     if (prescaled) {
-      a.bind(ref);
-      b.bind(ref + BM);
+      a.bind(ref_a);
+      b.bind(ref_b);
     }
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < stages_ahead; ++s) {
       if (s < tiles) {
         issue(kb_begin + s * KB_PER_TILE, stages[s]);
         store_scales(stages[s], prescaled);
@@ -358,33 +370,50 @@ struct TileLoader {
 };
 
 // The (smallest, largest) scale byte of every row of the tile's two operands, packed lo << 8 |
-// hi (row_ranges_kernel) and indexed from the tile's first row (`a`, `b`); null in builds
-// without the prescaled path, which never read them.
+// hi and indexed from the tile's first row (`a`, `b`); null where a tile scans its rows itself.
 struct RowRanges {
   const uint16_t* a;
   const uint16_t* b;
 };
 
-// Each operand row's largest scale byte into ref[] (A's rows, then B's; 0 for rows outside the
-// operands), and whether every row's scales lie within MAX_SPREAD binades of it: the
-// condition of the prescaled path, decided for the whole tile.
-__device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, RowRanges ranges, int32_t* ref) {
-  const int tid = threadIdx.x;
-  const bool is_a = tid < BM;
-  const int r = is_a ? tid : tid - BM;
-  int lo = 255, hi = 0;
-  if (r < (is_a ? a_rows : b_rows)) {
-    const uint16_t range = (is_a ? ranges.a : ranges.b)[r];
-    lo = range >> 8;
-    hi = range & 0xff;
+// Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's BM rows,
+// then B's TILE_N; 0 for rows outside the operands), and whether every row's scales lie within
+// MAX_SPREAD binades of it: the condition of the prescaled path, decided for the whole tile.
+// From `ranges` where given, else scanned here.
+__device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, int a_rows, const Operand& b,
+                                             int64_t b_row0, int b_rows, int64_t kb_begin, int64_t kb_end,
+                                             RowRanges ranges, int32_t* ref) {
+  bool wide = false;
+  for (int t = threadIdx.x; t < BM + TILE_N; t += THREADS) {
+    const bool is_a = t < BM;
+    const int r = is_a ? t : t - BM;
+    int lo = 255, hi = 0;
+    if (r < (is_a ? a_rows : b_rows)) {
+      const uint16_t* range = is_a ? ranges.a : ranges.b;
+      if (range != nullptr) {
+        lo = range[r] >> 8;
+        hi = range[r] & 0xff;
+      } else {
+        const int64_t row = (is_a ? a_row0 : b_row0) + r;
+        const int64_t skb = is_a ? a.skb : b.skb;
+        const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
+#pragma unroll 16  // sixteen loads in flight: a tile waits on this before its first stage
+        for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+          const int s = p[kb * skb];
+          lo = min(lo, s);
+          hi = max(hi, s);
+        }
+      }
+    }
+    ref[t] = hi;
+    wide = wide || hi - lo > MAX_SPREAD;
   }
-  ref[tid] = hi;
-  return !__syncthreads_or(hi - lo > MAX_SPREAD);
+  return !__syncthreads_or(wide);
 }
 
 // Every row's (smallest, largest) scale byte, for `groups` groups of `rows` rows, packed lo << 8 |
-// hi into ranges[g * rows + r]: once per call (each tile used to scan its rows again, and wait
-// on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
+// hi into ranges[g * rows + r]: once per call, where every tile scanned its rows again (and
+// waited on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
 // g (rows_kernel's weights), or with `token_ends` (wgrad), [token_ends[g-1], token_ends[g]) / 32
 // of op itself.
 __global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks,
@@ -471,29 +500,37 @@ __device__ __forceinline__ uint64_t swizzled_desc(const uint8_t* p) {
 }
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
-__device__ __forceinline__ void pin_acc(float (&acc)[FRAG_M][FRAG_N][4]) {
+__device__ __forceinline__ void pin_acc(TileAcc& acc) {
 #pragma unroll
-  for (int mi = 0; mi < FRAG_M; ++mi)
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int ni = 0; ni < FRAG_N; ++ni)
+    for (int mi = 0; mi < FRAG_M; ++mi)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[mi][ni][j])::"memory");
+      for (int ni = 0; ni < FRAG_N; ++ni)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[h][mi][ni][j])::"memory");
 }
 
-#define GG_ACC4(mi, ni) "+f"(acc[mi][ni][0]), "+f"(acc[mi][ni][1]), "+f"(acc[mi][ni][2]), "+f"(acc[mi][ni][3])
-#define GG_ACC16(mi) GG_ACC4(mi, 0), GG_ACC4(mi, 1), GG_ACC4(mi, 2), GG_ACC4(mi, 3)
-// acc (this warpgroup's 64 x 128, fp32) += A (64 x 16, f16) . B (128 x 16, f16)^T, both K-major
-// in shared memory. Register 4j + e of the m64n128 accumulator is acc[j / 4][j % 4][e].
-__device__ __forceinline__ void wgmma_f16(float (&acc)[FRAG_M][FRAG_N][4], uint64_t a, uint64_t b) {
+#define GG_ACC4(h, mi, ni) \
+  "+f"(acc[h][mi][ni][0]), "+f"(acc[h][mi][ni][1]), "+f"(acc[h][mi][ni][2]), "+f"(acc[h][mi][ni][3])
+#define GG_ACC16(h, mi) GG_ACC4(h, mi, 0), GG_ACC4(h, mi, 1), GG_ACC4(h, mi, 2), GG_ACC4(h, mi, 3)
+// acc (this warpgroup's 64 x 256, fp32) += A (64 x 16, f16) . B (256 x 16, f16)^T, both K-major
+// in shared memory. Register 4j + e of the m64n256 accumulator is acc[j / 16][j / 4 % 4][j % 4][e].
+__device__ __forceinline__ void wgmma_f16(TileAcc& acc, uint64_t a, uint64_t b) {
   asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
       " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
-      : GG_ACC16(0), GG_ACC16(1), GG_ACC16(2), GG_ACC16(3)
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      " %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
+      : GG_ACC16(0, 0), GG_ACC16(0, 1), GG_ACC16(0, 2), GG_ACC16(0, 3), GG_ACC16(1, 0), GG_ACC16(1, 1),
+        GG_ACC16(1, 2), GG_ACC16(1, 3)
       : "l"(a), "l"(b), "r"(1));
 }
 #undef GG_ACC16
@@ -646,9 +683,10 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
 // and g+8, columns 2t and 2t+1):
 //   mma.sync: warp w owns rows 64 (w / 4) + [0, 64) in four fragments, columns 32 (w % 4) + [0, 32);
 //   wgmma (`Wg`): warpgroup w / 4 owns rows 64 (w / 4) + [0, 64), warp w % 4 rows 16 (w % 4) + [0, 16)
-//   of them, and every column: acc[mi][ni] is the m64n128 accumulator's fragment 4 mi + ni.
-template <bool Wg, typename Acc, typename F>
-__device__ __forceinline__ void for_each_acc_pair(Acc& acc, F f) {
+//   of them, and every column: acc[mi][ni] of column half h is the m64n256 accumulator's
+//   fragment 16 h + 4 mi + ni (columns here relative to the half).
+template <bool Wg, typename A, typename F>
+__device__ __forceinline__ void for_each_acc_pair(A& acc, F f) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wrow = (Wg ? (warp / 4) * WARP_M + (warp % 4) * 16 : (warp / (BN / WARP_N)) * WARP_M) + lane / 4;
@@ -666,39 +704,31 @@ __device__ __forceinline__ void for_each_acc_pair(Acc& acc, F f) {
 }
 
 // f(element, tile row, tile column) for each of this thread's accumulators (see above).
-template <bool Wg, typename Acc, typename F>
-__device__ __forceinline__ void for_each_acc(Acc& acc, F f) {
+template <bool Wg, typename A, typename F>
+__device__ __forceinline__ void for_each_acc(A& acc, F f) {
   for_each_acc_pair<Wg>(acc, [&](auto& v0, auto& v1, int r, int c) {
     f(v0, r, c);
     f(v1, r, c + 1);
   });
 }
 
-// acc *= 2^(ref_a[row] - 127) * 2^(ref_b[column] - 127): the prescaled path's rows' largest
-// scales, applied once at the end (in the per-block path's order), in either layout.
-template <bool Wg>
-__device__ __forceinline__ void apply_row_scales(float (&acc)[FRAG_M][FRAG_N][4], const int32_t* ref_a,
-                                                 const int32_t* ref_b) {
-  for_each_acc<Wg>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
-}
-
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
-// +b_rows), on one path (see the header; `ref` holds the rows' largest scales): a STAGES-deep
+// +b_rows) (at most BN), on one path (see the header; `ref_a`, `ref_b`: the rows' largest
+// scales): a STAGES-deep
 // pipeline of asynchronous copies, one barrier a stage (two with a k-outer operand, whose tile
 // is transposed before the math).
 template <bool AKOuter, bool BKOuter, bool Prescaled>
 __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                              int64_t kb_end, const int32_t* ref, float (&acc)[FRAG_M][FRAG_N][4]) {
+                                              int64_t kb_end, const int32_t* ref_a, const int32_t* ref_b,
+                                              float (&acc)[FRAG_M][FRAG_N][4]) {
   Stage* stages = reinterpret_cast<Stage*>(smem);
   uint8_t* work = smem + STAGES * sizeof(Stage);  // transposed k-outer tiles: A's, then B's
   uint8_t* work_a = work;
   uint8_t* work_b = work + (AKOuter ? TILE_BYTES : 0);
-  const int32_t* ref_a = ref;
-  const int32_t* ref_b = ref + BM;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  TileLoader<AKOuter, BKOuter> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
-  loader.prologue(stages, kb_begin, tiles, ref, Prescaled);
+  TileLoader<AKOuter, BKOuter, Stage> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  loader.template prologue<STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, Prescaled);
   for (int64_t i = 0; i < tiles; ++i) {
     copy_wait<STAGES - 2>();
     __syncthreads();  // stage i has landed for every thread; stage i - 1 is no longer read
@@ -716,7 +746,8 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
     if (next < tiles) loader.store_scales(upcoming, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
-  if constexpr (Prescaled) apply_row_scales<false>(acc, ref_a, ref_b);
+  if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
+    for_each_acc<false>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
   __syncthreads();  // the caller may reuse shared memory
 }
 
@@ -727,50 +758,58 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* tile, int r, int c, uin
 }
 
 // The calling thread's share of half `h` of a stage (contraction steps [64 h, 64 h + 64)) of
-// one operand: eight words of codes and their relative scales (`mul`, f16x2 words from
-// store_scales). Contraction-major: two 16-code runs of one row. k-outer: four rows of eight
-// steps, byte-transposed in registers. All of a half's shared-memory loads are issued before
-// any conversion: the compiler cannot move them above the f16 stores (it cannot tell the two
-// apart), and waiting on each load in turn was the largest stall of the loop (ncu).
-template <bool KOuter>
+// one operand of `Rows` rows: its words of codes and their relative scales (`mul`, f16x2
+// words from store_scales). Contraction-major: 16-code runs of one row. k-outer: blocks of
+// four rows by eight steps, byte-transposed in registers. All of a half's shared-memory loads
+// are issued before any conversion: the compiler cannot move them above the f16 stores (it
+// cannot tell the two apart), and waiting on each load in turn was the largest stall of the
+// loop (ncu).
+//   `Parts` splits the work into that many load-then-store rounds (fewer live registers).
+template <bool KOuter, int Rows, int Parts = 1>
 struct HalfCodes {
-  static_assert(BM * HALF_K / 32 == THREADS, "32 codes per thread");
-  uint32_t w[8];
-  uint32_t mul[KOuter ? 4 : 2];
+  static_assert(THREADS % Rows == 0 || Rows % THREADS == 0, "whole rows per thread");
+  static constexpr int RUNS = Rows * HALF_K / 16 / THREADS / Parts;         // contraction-major
+  static constexpr int BLOCKS = Rows / 4 * (HALF_K / 8) / THREADS / Parts;  // k-outer
+  uint32_t w[KOuter ? 8 * BLOCKS : 4 * RUNS];
+  uint32_t mul[KOuter ? 4 * BLOCKS : RUNS];
   int row;  // contraction-major: the row; k-outer: the first of four
   int rot;  // k-outer: w holds rows in an order rotated by rot (see store)
 
-  __device__ __forceinline__ void load(const uint8_t* codes, const uint32_t (&scale)[KB_PER_TILE][BM], int h) {
-    const int tid = threadIdx.x;
+  __device__ __forceinline__ void load(const uint8_t* codes, const uint32_t (&scale)[KB_PER_TILE][Rows], int h,
+                                       int part = 0) {
+    const int tid = threadIdx.x + part * (KOuter ? BLOCKS : RUNS) * THREADS;  // the part's first item
     if constexpr (!KOuter) {
-      row = tid % BM;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
+      row = tid % Rows;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int k = h * HALF_K + (tid / BM + i * (THREADS / BM)) * 16;
+      for (int i = 0; i < RUNS; ++i) {
+        const int k = h * HALF_K + ((tid + i * THREADS) / Rows) * 16;
         const uint4 v = *reinterpret_cast<const uint4*>(codes + row * PITCH + k);
         w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
         mul[i] = scale[k / MX_BLOCK][row];
       }
     } else {
-      row = (tid % (BM / 4)) * 4;  // neighbouring threads: neighbouring words of a line
+      row = (tid % (Rows / 4)) * 4;  // neighbouring threads: neighbouring words of a line
       // Rows are stored in an order rotated by `rot`, so that the eight 16-byte stores of a
       // quarter warp fall in eight distinct chunks (rows 4q + i alone share two swizzle phases).
       rot = (tid / 2) % 4;
-      const int k = h * HALF_K + (tid / (BM / 4)) * 8;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + row);
+      for (int b = 0; b < BLOCKS; ++b) {
+        const int k = h * HALF_K + ((tid + b * THREADS) / (Rows / 4)) * 8;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mul[i] = scale[k / MX_BLOCK][row + ((i + rot) & 3)];
+        for (int j = 0; j < 8; ++j) w[8 * b + j] = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + row);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mul[4 * b + i] = scale[k / MX_BLOCK][row + ((i + rot) & 3)];
+      }
     }
   }
 
   // Convert to f16 times `mul` into the swizzled tile `dst`.
-  __device__ __forceinline__ void store(int h, uint8_t* dst) {
-    const int tid = threadIdx.x;
+  __device__ __forceinline__ void store(uint8_t* dst, int part = 0) {
+    const int tid = threadIdx.x + part * (KOuter ? BLOCKS : RUNS) * THREADS;
     if constexpr (!KOuter) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int run = tid / BM + i * (THREADS / BM);
+      for (int i = 0; i < RUNS; ++i) {
+        const int run = (tid + i * THREADS) / Rows;
         uint4 lo, hi;
         e4m3x4_to_f16_scaled(w[4 * i], mul[i], lo.x, lo.y);
         e4m3x4_to_f16_scaled(w[4 * i + 1], mul[i], lo.z, lo.w);
@@ -780,63 +819,70 @@ struct HalfCodes {
         store_f16_chunk(dst, row, 2 * run + 1, hi);
       }
     } else {
-      const int step8 = tid / (BM / 4);
-      uint32_t lo[4], hi[4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = __funnelshift_r(w[j], w[j], 8 * rot);  // byte i: row + (i + rot) % 4
-      transpose4x4(w, lo);  // lo[i]: row + (i + rot) % 4, steps 0..3 of the eight
-      transpose4x4(w + 4, hi);
+      for (int b = 0; b < BLOCKS; ++b) {
+        const int step8 = (tid + b * THREADS) / (Rows / 4);
+        uint32_t lo[4], hi[4];
+        uint32_t* v8 = w + 8 * b;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint4 v;
-        e4m3x4_to_f16_scaled(lo[i], mul[i], v.x, v.y);
-        e4m3x4_to_f16_scaled(hi[i], mul[i], v.z, v.w);
-        store_f16_chunk(dst, row + ((i + rot) & 3), step8, v);
+        for (int j = 0; j < 8; ++j) v8[j] = __funnelshift_r(v8[j], v8[j], 8 * rot);  // byte i: row + (i + rot) % 4
+        transpose4x4(v8, lo);  // lo[i]: row + (i + rot) % 4, steps 0..3 of the eight
+        transpose4x4(v8 + 4, hi);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint4 v;
+          e4m3x4_to_f16_scaled(lo[i], mul[4 * b + i], v.x, v.y);
+          e4m3x4_to_f16_scaled(hi[i], mul[4 * b + i], v.z, v.w);
+          store_f16_chunk(dst, row + ((i + rot) & 3), step8, v);
+        }
       }
     }
   }
 };
 
-// The prescaled path on wgmma: the same pipeline of code stages as tile_pipeline, but each
-// stage is converted, half by half, into double-buffered f16 tiles in shared memory that two
-// warpgroups multiply asynchronously (m64n128k16; warpgroup w: rows 64 w + [0, 64)) while the
-// threads convert the next half. acc is in for_each_acc's wgmma layout.
+// The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (WG_STAGES deep,
+// B's TILE_N rows), each stage converted, half by half, into double-buffered f16 tiles in
+// shared memory that two warpgroups multiply asynchronously (m64n256k16; warpgroup w: rows
+// 64 w + [0, 64), every column) while the threads convert the next half. acc[h] holds columns
+// h BN + [0, BN) in for_each_acc's wgmma layout.
 template <bool AKOuter, bool BKOuter>
 __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                                const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                               int64_t kb_end, const int32_t* ref, float (&acc)[FRAG_M][FRAG_N][4]) {
-  Stage* stages = reinterpret_cast<Stage*>(smem);
-  uint8_t* region = smem + STAGES * sizeof(Stage);
+                                               int64_t kb_end, const int32_t* ref, TileAcc& acc) {
+  WgStage* stages = reinterpret_cast<WgStage*>(smem);
+  uint8_t* region = smem + WG_STAGES * sizeof(WgStage);
   const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(region)) % SWIZZLE_ATOM;
-  uint8_t* f16 = region + (offset ? SWIZZLE_ATOM - offset : 0);  // buffer h: A at 2h, B at 2h + 1
+  uint8_t* f16 = region + (offset ? SWIZZLE_ATOM - offset : 0);  // buffer h: A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int warpgroup = threadIdx.x / 128;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  TileLoader<AKOuter, BKOuter> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
-  loader.prologue(stages, kb_begin, tiles, ref, true);
+  TileLoader<AKOuter, BKOuter, WgStage> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  loader.template prologue<WG_STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, true);
   pin_acc(acc);
   for (int64_t i = 0; i < tiles; ++i) {
-    copy_wait<STAGES - 2>();
+    copy_wait<WG_STAGES - 2>();
     // Stage i has landed for every thread, stage i - 1 is no longer read, and every
     // warpgroup has retired the MMAs that read f16 buffer 0 (waited below).
     __syncthreads();
-    const int64_t next = i + STAGES - 1;
-    Stage& upcoming = stages[next % STAGES];
+    const int64_t next = i + WG_STAGES - 1;
+    WgStage& upcoming = stages[next % WG_STAGES];
     if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
     copy_commit();
-    const Stage& current = stages[i % STAGES];
+    const WgStage& current = stages[i % WG_STAGES];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint8_t* fa = f16 + 2 * h * F16_TILE;
-      uint8_t* fb = fa + F16_TILE;
-      HalfCodes<AKOuter> ca;
-      HalfCodes<BKOuter> cb;
+      uint8_t* fa = f16 + h * (F16_A + F16_B);
+      uint8_t* fb = fa + F16_A;
+      HalfCodes<AKOuter, BM> ca;
+      HalfCodes<BKOuter, TILE_N, 2> cb;  // B's rows in two rounds: fewer live registers
       ca.load(current.a, current.sa, h);
-      cb.load(current.b, current.sb, h);
+      cb.load(current.b, current.sb, h, 0);
       if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
-      ca.store(h, fa);
-      cb.store(h, fb);
+      ca.store(fa);
+      cb.store(fb, 0);
+      cb.load(current.b, current.sb, h, 1);
+      cb.store(fb, 1);
       fence_async_shared();
       __syncthreads();
       wgmma_fence();
@@ -851,32 +897,59 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
   copy_wait<0>();
   wgmma_wait<0>();
   pin_acc(acc);
-  apply_row_scales<true>(acc, ref_a, ref_b);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    for_each_acc<true>(acc[h], [&](float& v, int r, int c) {
+      v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[h * BN + c]);
+    });
   __syncthreads();  // the caller may reuse shared memory
 }
 #endif  // GG_MXFP8_WGMMA_HERE
 
-// acc = the product of the tile's rows over MX blocks [kb_begin, kb_end), on the prescaled
-// path where the tile's scale ranges allow it.
-// Returns whether acc is in the wgmma layout (see for_each_acc).
-template <bool AKOuter, bool BKOuter>
-__device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+// The product of the block's tile (A rows [a_row0, +a_rows) x B rows [b_row0, +b_rows), at most
+// TILE_N) over MX blocks [kb_begin, kb_end), handed to store(acc, wg_layout, c0) as
+// accumulators of the BN columns from c0: on the wgmma path where the tile's scale ranges
+// allow it (both halves at once), else in two passes of the per-block (or mma.sync prescaled)
+// path, one per column half.
+template <bool AKOuter, bool BKOuter, typename Store>
+__device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                             int64_t kb_end, RowRanges ranges, float (&acc)[FRAG_M][FRAG_N][4]) {
-  __shared__ int32_t ref[BM + BN];
-  for_each_acc<false>(acc, [](float& v, int, int) { v = 0.0f; });
-  if (kb_end <= kb_begin) return false;
-  if (PRESCALE && scale_ranges(a_rows, b_rows, ranges, ref)) {
+                                             int64_t kb_end, RowRanges ranges, Store store) {
+  __shared__ int32_t ref[BM + TILE_N];
+  TileAcc acc;
+  const bool prescaled =
+      PRESCALE && kb_end > kb_begin && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ranges, ref);
 #if GG_MXFP8_WGMMA_HERE
+  if (prescaled) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) for_each_acc<false>(acc[h], [](float& v, int, int) { v = 0.0f; });
     wgmma_pipeline<AKOuter, BKOuter>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-    return true;
-#else
-    tile_pipeline<AKOuter, BKOuter, PRESCALE>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-    return false;
-#endif
+    store(acc[0], true, 0);
+    store(acc[1], true, BN);
+    return;
   }
-  tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-  return false;
+#endif
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+    const int rows = min(BN, b_rows - h * BN);
+    if (h > 0 && rows <= 0) break;
+    for_each_acc<false>(acc[0], [](float& v, int, int) { v = 0.0f; });
+    if (kb_end > kb_begin) {
+      const int32_t* ref_b = ref + BM + h * BN;
+      bool done = false;
+      if constexpr (PRESCALE && !GG_MXFP8_WGMMA_HERE) {  // the prescaled path on mma.sync
+        if (prescaled) {
+          tile_pipeline<AKOuter, BKOuter, true>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
+                                                ref, ref_b, acc[0]);
+          done = true;
+        }
+      }
+      if (!done)
+        tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
+                                               ref, ref_b, acc[0]);
+    }
+    store(acc[0], false, h * BN);
+  }
 }
 
 // Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
@@ -884,7 +957,7 @@ __device__ __forceinline__ bool tile_product(uint8_t* smem, const Operand& a, in
 // out as one store where out's rows keep them aligned (half the store instructions, which a
 // wgrad tile of one group's few tokens spends much of its time on).
 template <typename OutT>
-__device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4], OutT* out, int64_t ldo, int rows,
+__device__ __forceinline__ void store_tile(const Acc& acc, OutT* out, int64_t ldo, int rows,
                                            int cols, bool accumulate, bool wg_layout) {
   const bool paired = ldo % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(OutT)) == 0;
   const auto store = [&](float v0, float v1, int r, int c) {
@@ -910,7 +983,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[FRAG_M][FRAG_N][4]
 
 // fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
 // group_operand(b, g), whose rows are out's columns. tile_ends[g] is the cumulative count of
-// BM-row tiles through group g. blockIdx.x enumerates (row tile, column tile) with the column
+// BM-row tiles through group g. blockIdx.x enumerates (row tile, TILE_N-column tile) with the column
 // tiles of a row tile adjacent, so blocks running together share their A rows and their
 // group's B in L2 (blocks past the last row tile exit). Everything is read on the device: no
 // host sync, graph-capturable.
@@ -920,7 +993,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges, const uint16_t* b_ranges,
                 OutT* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int col_tiles = (ncols + BN - 1) / BN;
+  const int col_tiles = (ncols + TILE_N - 1) / TILE_N;
   const int tile = static_cast<int>(blockIdx.x / col_tiles);
   if (tile >= tile_ends[groups - 1]) return;
   int lo = 0, hi = groups - 1;  // first group whose tile_ends exceeds `tile`
@@ -933,20 +1006,21 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t group_start = g ? row_ends[g - 1] : 0;
   const int64_t row0 = group_start + static_cast<int64_t>(tile - first_tile) * BM;
   const int rows = static_cast<int>(min(static_cast<int64_t>(BM), row_ends[g] - row0));
-  const int col0 = static_cast<int>(blockIdx.x % col_tiles) * BN;
-  const int cols = min(BN, ncols - col0);
-  float acc[FRAG_M][FRAG_N][4];
+  const int col0 = static_cast<int>(blockIdx.x % col_tiles) * TILE_N;
+  const int cols = min(TILE_N, ncols - col0);
   // a_ranges: A's rows (row_ranges_kernel over A); b_ranges: every group's B rows; or null.
   const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
-  const bool wg =
-      tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges, acc);
-  store_tile(acc, out + row0 * ncols + col0, ncols, rows, cols, false, wg);
+  tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
+                               [&](const Acc& acc, bool wg, int c0) {
+                                 store_tile(acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
+                               });
 }
 
 // wgrad. out[g] (nrows x ncols) = A[:, tokens of g] . B[:, tokens of g]^T, where group g's
 // (padded, 32-aligned) tokens are [pad_ends[g-1], pad_ends[g]). blockIdx = (column tile,
-// row tile, group). A group without tokens writes zeros (or leaves out untouched).
+// row tile, group); a column tile is TILE_N wide. A group without tokens writes zeros (or leaves
+// out untouched).
 template <typename OutT, bool KOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_kernel(Operand a, Operand b, const int32_t* __restrict__ pad_ends, int nrows, int ncols,
@@ -956,17 +1030,17 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t t0 = g ? pad_ends[g - 1] : 0;
   const int64_t t1 = pad_ends[g];
   const int row0 = blockIdx.y * BM;
-  const int col0 = blockIdx.x * BN;
+  const int col0 = blockIdx.x * TILE_N;
   const int rows = min(BM, nrows - row0);
-  const int cols = min(BN, ncols - col0);
-  float acc[FRAG_M][FRAG_N][4];
+  const int cols = min(TILE_N, ncols - col0);
   // Each group's rows' scale ranges over its tokens (row_ranges_kernel), or null.
   const RowRanges ranges{a_ranges ? a_ranges + static_cast<int64_t>(g) * nrows + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
-  const bool wg =
-      tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges, acc);
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
-  store_tile(acc, dst, ncols, rows, cols, accumulate, wg);
+  tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
+                               [&](const Acc& acc, bool wg, int c0) {
+                                 store_tile(acc, dst + c0, ncols, rows, cols - c0, accumulate, wg);
+                               });
 }
 
 }  // namespace gg_mxfp8
