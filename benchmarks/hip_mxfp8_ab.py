@@ -5,7 +5,7 @@ Each variant is NAME=CSRC_DIR[:DEFINE+DEFINE] (built with torch's cpp_extension,
 in T reads dgrad's weight transposed ahead of time) or a name starting with `old` (the
 stop-37 binding, no layout flag). Kernels are timed alone on prequantized operands, with
 bitwise equality to the first variant and SQNR against a float64 reference; `--api` adds
-the public call (activations quantized per call, device splits) and wgrad through the API.
+the public call (activations quantized per call, device splits).
 
 python benchmarks/hip_mxfp8_ab.py --variants new=backends/hip_mxfp8/csrc --cases gptoss120b_gateup \
     --ops fwd,dgrad,wgrad --api --out ab.json
@@ -26,7 +26,7 @@ from torch.utils import cpp_extension
 import grouped_gemm as gg
 from grouped_gemm.bench.shapes import select_cases
 from grouped_gemm.bench.timing import back_to_back_ms
-from grouped_gemm.mx import quantize_mx, quantize_mx_weight
+from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.testing import sqnr_db
 
 p = argparse.ArgumentParser()
@@ -172,21 +172,36 @@ def wgrad_row(case, kind):
     offs = torch.tensor(splits, device=dev).cumsum(0).to(torch.int32)
     dsplits = torch.tensor(splits, device=dev)
     out = torch.empty(G, N, K, device=dev, dtype=torch.bfloat16)
-    fns = {
-        "peer": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-        "api": lambda: gg.grouped_gemm_wgrad(dy, x, dsplits, recipe="mxfp8", backend="hip_mxfp8", out=out),
-    }
+    fns = {"peer": lambda: torch._grouped_mm(dy.t(), x, offs=offs)}
+    if args.api:
+        fns["api"] = lambda: gg.grouped_gemm_wgrad(dy, x, dsplits, recipe="mxfp8", backend="hip_mxfp8", out=out)
     want = gg.grouped_gemm_wgrad(dy, x, splits, recipe="mxfp8", backend="reference", out_dtype=torch.float32)
-    got = fns["api"]().float()
-    sq = sqnr_db(got, want)
+    # every variant's kernel on the operands the API would quantize (token-major, k-outer)
+    dy_q = quantize_mx_rows(dy, splits, "e4m3", align=32)
+    x_q = quantize_mx_rows(x, splits, "e4m3", align=32)
+    ends = dy_q.padded_offsets[1:]
+    operands = [t.contiguous() for t in (dy_q.tensor.data, dy_q.tensor.scale, x_q.tensor.data, x_q.tensor.scale)]
+    sq, same, base = {}, {}, None
+    for name, mod in mods.items():
+        dst = torch.empty(G, N, K, device=dev, dtype=torch.bfloat16)
+        fns[name] = lambda mod=mod, dst=dst: mod.wgrad_gemm(*operands, ends, dst, False, True)
+        dst.fill_(float("nan"))
+        fns[name]()
+        sq[name] = round(sqnr_db(dst.float(), want), 2)
+        base = dst if base is None else base
+        same[name] = bool(torch.equal(dst, base))
+    if args.api:
+        sq["api"] = round(sqnr_db(fns["api"]().float(), want), 2)
+    del want
     med = interleaved(fns)
     row = dict(
         case=case.name,
         op="wgrad",
         split=kind,
         sqnr=sq,
+        equal=same,
         ms={n: round(v, 4) for n, v in med.items()},
-        x_peer={"api": round(med["peer"] / med["api"], 3)},
+        x_peer={n: round(med["peer"] / v, 3) for n, v in med.items() if n != "peer"},
         tflops={n: round(2 * M * N * K / v / 1e9, 1) for n, v in med.items()},
     )
     rows.append(row)
