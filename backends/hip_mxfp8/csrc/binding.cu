@@ -67,10 +67,11 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
 }
 
 // Dynamic shared memory of a launch on the current device: sm_90 runs the prescaled path on
-// wgmma (built for sm_90a), which needs its f16 buffers.
+// wgmma (built for sm_90a), which needs its f16 buffers; tiles of `Halves` column halves.
+template <int Halves>
 int launch_smem(int kouter_operands) {
-  return gg_mxfp8::smem_bytes(kouter_operands,
-                              gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9);
+  return gg_mxfp8::smem_bytes<Halves>(kouter_operands,
+                                      gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9);
 }
 
 // Raise the kernel's dynamic shared-memory limit to what this launch asks (above the 48 KiB
@@ -104,7 +105,7 @@ void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand
                  const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges,
                  const uint16_t* b_ranges, OutT* out) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
-  const int smem = launch_smem(BKOuter ? 1 : 0);
+  const int smem = launch_smem<gg_mxfp8::ROWS_HALVES>(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
                                                     groups, ncols, kblocks, a_ranges, b_ranges, out);
@@ -115,7 +116,7 @@ void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operan
                   int nrows, int ncols, const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* out,
                   bool accumulate) {
   const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
-  const int smem = launch_smem(KOuter ? 2 : 0);
+  const int smem = launch_smem<gg_mxfp8::WGRAD_HALVES>(KOuter ? 2 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, a_ranges,
                                                     b_ranges, out, accumulate);
@@ -154,7 +155,8 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
   check_ends(row_ends, groups, "row_ends");
   check_ends(tile_ends, groups, "tile_ends");
   if (a_data.size(0) == 0 || ncols == 0 || max_tiles <= 0) return;
-  const int64_t blocks = max_tiles * ((ncols + gg_mxfp8::TILE_N - 1) / gg_mxfp8::TILE_N);
+  constexpr int tile_cols = gg_mxfp8::ROWS_HALVES * gg_mxfp8::BN;
+  const int64_t blocks = max_tiles * ((ncols + tile_cols - 1) / tile_cols);
   TORCH_CHECK(blocks < (int64_t{1} << 31), "problem too large for one launch: ", blocks, " tiles");
   const c10::cuda::CUDAGuard guard(a_data.device());
   const dim3 grid(static_cast<unsigned>(blocks));
@@ -196,7 +198,8 @@ void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const
   if (groups == 0 || nrows == 0 || ncols == 0) return;
   TORCH_CHECK(groups <= 65535, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(a_data.device());
-  const dim3 grid(static_cast<unsigned>((ncols + gg_mxfp8::TILE_N - 1) / gg_mxfp8::TILE_N),
+  constexpr int tile_cols = gg_mxfp8::WGRAD_HALVES * gg_mxfp8::BN;
+  const dim3 grid(static_cast<unsigned>((ncols + tile_cols - 1) / tile_cols),
                   static_cast<unsigned>((nrows + gg_mxfp8::BM - 1) / gg_mxfp8::BM), static_cast<unsigned>(groups));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int r = static_cast<int>(nrows), c = static_cast<int>(ncols), g = static_cast<int>(groups);

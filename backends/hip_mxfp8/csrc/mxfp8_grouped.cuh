@@ -24,7 +24,8 @@
 //     (an E4M3 value times 2^-15 or more is still an f16 value); f16 MMAs then accumulate
 //     every MX block into one fp32 accumulator, and the two rows' largest scales are applied
 //     once at the end. sm_90a: each stage converted into swizzled f16 tiles in shared memory
-//     that two warpgroups multiply by wgmma (wgmma_pipeline); elsewhere converted fragments
+//     that two warpgroups multiply by wgmma (wgmma_pipeline; fwd / dgrad blocks 128 x 256,
+//     wgrad 128 x 128); elsewhere converted fragments
 //     and mma.sync m16n8k16. Per-block promotion (an FADD, FMUL and FFMA per accumulator per
 //     block) was most of the instructions issued by the kernel, which was issue- and
 //     latency-bound (Nsight Compute, docs/performance.md).
@@ -75,8 +76,7 @@
 namespace gg_mxfp8 {
 
 constexpr int BM = 128;            // output rows per block
-constexpr int BN = 128;            // output columns of the per-block path's pass (two a block)
-constexpr int TILE_N = 2 * BN;     // output columns per block: one m64n256 wgmma per warpgroup
+constexpr int BN = 128;            // output columns of the per-block path's pass
 constexpr int BK = 128;            // contraction bytes per pipeline stage (four MX blocks)
 constexpr int MX_BLOCK = 32;       // MX block: one m16n8k32 instruction
 constexpr int KB_UNROLL = GG_MXFP8_KB_UNROLL;
@@ -88,7 +88,8 @@ constexpr int WARP_N = 32;         // columns per warp: 4 fragments of 8
 constexpr int FRAG_M = WARP_M / 16;
 constexpr int FRAG_N = WARP_N / 8;
 using Acc = float[FRAG_M][FRAG_N][4];  // a thread's accumulators of BM x BN outputs
-using TileAcc = Acc[2];                // of the block's BM x TILE_N: column halves
+template <int Halves>
+using TileAcc = Acc[Halves];  // of a block's BM x Halves BN outputs, by column half
 // Shared-memory row pitch: 144 bytes, so the eight 16-byte rows one ldmatrix reads fall in
 // eight distinct 16-byte bank groups, and every row start stays 16-byte aligned.
 constexpr int PITCH = BK + 16;
@@ -100,13 +101,21 @@ constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its co
 
 // wgmma (sm_90a) reads the prescaled f16 operands from shared memory, half a stage at a time:
 // 64 contraction steps = one 128-byte row of the 128-byte swizzle, double-buffered.
-constexpr bool WGMMA_BUILD = GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA;
+constexpr bool WGMMA_BUILD = PRESCALE && GG_MXFP8_WGMMA;
 constexpr int HALF_K = BK / 2;
 constexpr int SWIZZLE_ROW = HALF_K * 2;                 // bytes: 64 f16
 constexpr int SWIZZLE_ATOM = 8 * SWIZZLE_ROW;           // 8 rows: the swizzle's period, and its alignment
-constexpr int F16_A = BM * SWIZZLE_ROW;                 // A's f16 half-stage
-constexpr int F16_B = TILE_N * SWIZZLE_ROW;             // B's
-constexpr int WG_STAGES = 2;                            // code stages of the wgmma path (twice the columns)
+constexpr int F16_A = BM * SWIZZLE_ROW;                 // A's f16 half-stage (B's: Halves times that)
+// Column halves of a block's tile: fwd / dgrad on wgmma take 256 columns, one m64n256 wgmma per
+// warpgroup, so a stage's conversions, copies and barriers serve twice the MMAs (their tiles
+// were issue-bound on that work: H100 profile, tensor pipe a quarter busy). wgrad keeps 128:
+// its tiles are short along the contraction (one group's tokens), and at 256 columns it was
+// slower on most cases and spilled registers (docs/performance.md, sixteenth session).
+constexpr int ROWS_HALVES = WGMMA_BUILD ? 2 : 1;
+constexpr int WGRAD_HALVES = 1;
+// Code stages of the wgmma path: fewer for the wider tile, whose B stages are twice the size.
+template <int Halves>
+constexpr int WG_STAGES_OF = Halves == 1 ? STAGES : 2;
 
 static_assert(BM == BN && BK == BM, "one square transpose serves both operands");
 static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
@@ -174,10 +183,11 @@ struct OutStore<uint16_t> {
 };
 
 // One pipeline stage in shared memory: both operands' codes as [row][contraction byte]
-// (a k-outer operand lands here as [contraction byte][row] and is transposed into `work`),
-// and the block scales, [MX block][row]: fp32 bits on the per-block path, an f16x2 pair of
-// 2^(scale - row's largest) on the prescaled path.
-// `BRows` rows of B: BN on the per-block path (a column half of the tile), TILE_N on wgmma's.
+// (a k-outer operand lands here as [contraction byte][row], in planes of BK rows one under the
+// other, and is transposed on chip), and the block scales, [MX block][row]: fp32 bits on the
+// per-block path, an f16x2 pair of 2^(scale - row's largest) on the prescaled path.
+// `BRows` rows of B: BN on the per-block path (a column half of the tile), the tile's width on
+// wgmma's.
 template <int BRows>
 struct StageOf {
   static constexpr int B_ROWS = BRows;
@@ -187,15 +197,18 @@ struct StageOf {
   uint32_t sb[KB_PER_TILE][BRows];
 };
 using Stage = StageOf<BN>;
-using WgStage = StageOf<TILE_N>;
+template <int Halves>
+using WgStage = StageOf<Halves * BN>;
 
 // Dynamic shared memory of a launch, shared by a block's two paths: the per-block path's
 // stages, then one transpose buffer per k-outer operand; the wgmma path's (`wgmma`: the device
 // is sm_90 and the build has that path) stages, then its f16 buffers (two of A and B, plus
-// slack to align them to the swizzle's 1024 bytes).
+// slack to align them to the swizzle's 1024 bytes), for tiles of `Halves` column halves.
+template <int Halves>
 constexpr int smem_bytes(int kouter_operands, bool wgmma) {
   const int per_block = STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
-  const int wg = WG_STAGES * static_cast<int>(sizeof(WgStage)) + SWIZZLE_ATOM + 2 * (F16_A + F16_B);
+  const int wg =
+      WG_STAGES_OF<Halves> * static_cast<int>(sizeof(WgStage<Halves>)) + SWIZZLE_ATOM + 2 * (1 + Halves) * F16_A;
   return wgmma && wg > per_block ? wg : per_block;
 }
 
@@ -233,7 +246,8 @@ __device__ __forceinline__ uint32_t pow2_f16x2(int e) {
 // The calling thread's share of one operand's pipeline stages, addressed once per tile (64-bit
 // addresses recomputed for every copy and scale byte were a third of the wgmma path's main
 // loop, by its SASS). Codes: the thread's chunk i of 16 bytes is line tid / 8 + 32 i of the
-// stage (a row, or a contraction step if KOuter), at byte (tid % 8) * 16 of the line. Scales:
+// stage (a row, or if KOuter a contraction step of plane i / 4: rows 128 (i / 4) + [0, 128)),
+// at byte (tid % 8) * 16 of the line. Scales:
 // slot i is (row r0 + i dr, MX block kb0 + i dkb) of the stage, one map for loading and
 // storing, so neighbouring threads read neighbouring bytes in either scale layout.
 template <bool KOuter, int Rows>
@@ -241,6 +255,8 @@ struct StageLoader {
   static constexpr int LINES_APART = THREADS / (BK / 16);
   static constexpr int CHUNKS = Rows * BK / 16 / THREADS;
   static constexpr int SCALES = Rows * KB_PER_TILE / THREADS;
+  static constexpr int PLANE_CHUNKS = BK / LINES_APART;  // k-outer: chunks per plane of BK rows
+  static_assert(KOuter ? Rows % BK == 0 : Rows % LINES_APART == 0, "whole planes, whole lines");
   const uint8_t* code;   // chunk 0 at MX block 0
   const uint8_t* any;    // a readable address for the zero-filled copies
   int64_t code_kb;       // bytes per MX block along the contraction
@@ -265,7 +281,7 @@ struct StageLoader {
     k0 = KOuter ? line : byte;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i)
-      inside |= static_cast<uint32_t>(KOuter ? byte < rows : line + i * LINES_APART < rows) << i;
+      inside |= static_cast<uint32_t>(KOuter ? i / PLANE_CHUNKS * BK + byte < rows : line + i * LINES_APART < rows) << i;
     const bool by_row = op.srow == 1;  // scale bytes of neighbouring rows adjacent
     r0 = by_row ? tid % Rows : tid / KB_PER_TILE;
     dr = by_row ? 0 : THREADS / KB_PER_TILE;
@@ -285,8 +301,10 @@ struct StageLoader {
     const int64_t k = kb * MX_BLOCK + k0;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
-      const bool valid = (inside >> i & 1u) && (KOuter ? k + i * LINES_APART : k) < kb_end * MX_BLOCK;
-      copy16(d + i * LINES_APART * PITCH, valid ? src + i * code_chunk : any, valid);
+      const int line = KOuter ? i % PLANE_CHUNKS : i;  // the chunk's line, in steps of LINES_APART
+      const bool valid = (inside >> i & 1u) && (KOuter ? k + line * LINES_APART : k) < kb_end * MX_BLOCK;
+      const uint8_t* from = src + line * code_chunk + (KOuter ? i / PLANE_CHUNKS * BK : 0);
+      copy16(d + i * LINES_APART * PITCH, valid ? from : any, valid);
     }
   }
 
@@ -370,40 +388,26 @@ struct TileLoader {
 };
 
 // The (smallest, largest) scale byte of every row of the tile's two operands, packed lo << 8 |
-// hi and indexed from the tile's first row (`a`, `b`); null where a tile scans its rows itself.
+// hi (row_ranges_kernel) and indexed from the tile's first row (`a`, `b`); null in builds
+// without the prescaled path, which never read them.
 struct RowRanges {
   const uint16_t* a;
   const uint16_t* b;
 };
 
-// Each operand row's largest scale byte over blocks [kb_begin, kb_end) into ref[] (A's BM rows,
-// then B's TILE_N; 0 for rows outside the operands), and whether every row's scales lie within
-// MAX_SPREAD binades of it: the condition of the prescaled path, decided for the whole tile.
-// From `ranges` where given, else scanned here.
-__device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, int a_rows, const Operand& b,
-                                             int64_t b_row0, int b_rows, int64_t kb_begin, int64_t kb_end,
-                                             RowRanges ranges, int32_t* ref) {
+// Each operand row's largest scale byte into ref[] (A's BM rows, then B's `b_tile`; 0 for rows
+// outside the operands), and whether every row's scales lie within MAX_SPREAD binades of it:
+// the condition of the prescaled path, decided for the whole tile.
+__device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, int b_tile, RowRanges ranges, int32_t* ref) {
   bool wide = false;
-  for (int t = threadIdx.x; t < BM + TILE_N; t += THREADS) {
+  for (int t = threadIdx.x; t < BM + b_tile; t += THREADS) {
     const bool is_a = t < BM;
     const int r = is_a ? t : t - BM;
     int lo = 255, hi = 0;
     if (r < (is_a ? a_rows : b_rows)) {
-      const uint16_t* range = is_a ? ranges.a : ranges.b;
-      if (range != nullptr) {
-        lo = range[r] >> 8;
-        hi = range[r] & 0xff;
-      } else {
-        const int64_t row = (is_a ? a_row0 : b_row0) + r;
-        const int64_t skb = is_a ? a.skb : b.skb;
-        const uint8_t* p = is_a ? a.scale + row * a.srow : b.scale + row * b.srow;
-#pragma unroll 16  // sixteen loads in flight: a tile waits on this before its first stage
-        for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-          const int s = p[kb * skb];
-          lo = min(lo, s);
-          hi = max(hi, s);
-        }
-      }
+      const uint16_t range = (is_a ? ranges.a : ranges.b)[r];
+      lo = range >> 8;
+      hi = range & 0xff;
     }
     ref[t] = hi;
     wide = wide || hi - lo > MAX_SPREAD;
@@ -412,8 +416,8 @@ __device__ __forceinline__ bool scale_ranges(const Operand& a, int64_t a_row0, i
 }
 
 // Every row's (smallest, largest) scale byte, for `groups` groups of `rows` rows, packed lo << 8 |
-// hi into ranges[g * rows + r]: once per call, where every tile scanned its rows again (and
-// waited on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
+// hi into ranges[g * rows + r]: once per call (each tile used to scan its rows again, and wait
+// on that before its first stage). The MX blocks of group g: [0, kblocks) of op's group
 // g (rows_kernel's weights), or with `token_ends` (wgrad), [token_ends[g-1], token_ends[g]) / 32
 // of op itself.
 __global__ void row_ranges_kernel(Operand op, int groups, int rows, int64_t kblocks,
@@ -500,9 +504,10 @@ __device__ __forceinline__ uint64_t swizzled_desc(const uint8_t* p) {
 }
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
-__device__ __forceinline__ void pin_acc(TileAcc& acc) {
+template <int Halves>
+__device__ __forceinline__ void pin_acc(TileAcc<Halves>& acc) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int h = 0; h < Halves; ++h)
 #pragma unroll
     for (int mi = 0; mi < FRAG_M; ++mi)
 #pragma unroll
@@ -514,9 +519,23 @@ __device__ __forceinline__ void pin_acc(TileAcc& acc) {
 #define GG_ACC4(h, mi, ni) \
   "+f"(acc[h][mi][ni][0]), "+f"(acc[h][mi][ni][1]), "+f"(acc[h][mi][ni][2]), "+f"(acc[h][mi][ni][3])
 #define GG_ACC16(h, mi) GG_ACC4(h, mi, 0), GG_ACC4(h, mi, 1), GG_ACC4(h, mi, 2), GG_ACC4(h, mi, 3)
-// acc (this warpgroup's 64 x 256, fp32) += A (64 x 16, f16) . B (256 x 16, f16)^T, both K-major
-// in shared memory. Register 4j + e of the m64n256 accumulator is acc[j / 16][j / 4 % 4][j % 4][e].
-__device__ __forceinline__ void wgmma_f16(TileAcc& acc, uint64_t a, uint64_t b) {
+// acc (this warpgroup's 64 x 128 Halves, fp32) += A (64 x 16, f16) . B (128 Halves x 16, f16)^T,
+// both K-major in shared memory. Register 4j + e of the m64n(128 Halves) accumulator is
+// acc[j / 16][j / 4 % 4][j % 4][e].
+__device__ __forceinline__ void wgmma_f16(TileAcc<1>& acc, uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : GG_ACC16(0, 0), GG_ACC16(0, 1), GG_ACC16(0, 2), GG_ACC16(0, 3)
+      : "l"(a), "l"(b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_f16(TileAcc<2>& acc, uint64_t a, uint64_t b) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
@@ -683,8 +702,8 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
 // and g+8, columns 2t and 2t+1):
 //   mma.sync: warp w owns rows 64 (w / 4) + [0, 64) in four fragments, columns 32 (w % 4) + [0, 32);
 //   wgmma (`Wg`): warpgroup w / 4 owns rows 64 (w / 4) + [0, 64), warp w % 4 rows 16 (w % 4) + [0, 16)
-//   of them, and every column: acc[mi][ni] of column half h is the m64n256 accumulator's
-//   fragment 16 h + 4 mi + ni (columns here relative to the half).
+//   of them, and every column: acc[mi][ni] of column half h is the m64n(128 Halves)
+//   accumulator's fragment 16 h + 4 mi + ni (columns here relative to the half).
 template <bool Wg, typename A, typename F>
 __device__ __forceinline__ void for_each_acc_pair(A& acc, F f) {
   const int warp = threadIdx.x / 32;
@@ -712,11 +731,17 @@ __device__ __forceinline__ void for_each_acc(A& acc, F f) {
   });
 }
 
+// acc *= 2^(ref_a[row] - 127) * 2^(ref_b[column] - 127): the prescaled path's rows' largest
+// scales, applied once at the end (in the per-block path's order), in either layout.
+template <bool Wg>
+__device__ __forceinline__ void apply_row_scales(Acc& acc, const int32_t* ref_a, const int32_t* ref_b) {
+  for_each_acc<Wg>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+}
+
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
 // +b_rows) (at most BN), on one path (see the header; `ref_a`, `ref_b`: the rows' largest
-// scales): a STAGES-deep
-// pipeline of asynchronous copies, one barrier a stage (two with a k-outer operand, whose tile
-// is transposed before the math).
+// scales): a STAGES-deep pipeline of asynchronous copies, one barrier a stage (two with a
+// k-outer operand, whose tile is transposed before the math).
 template <bool AKOuter, bool BKOuter, bool Prescaled>
 __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
@@ -746,8 +771,7 @@ __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, i
     if (next < tiles) loader.store_scales(upcoming, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
-  if constexpr (Prescaled)  // the rows' largest scales, in the per-block path's order
-    for_each_acc<false>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+  if constexpr (Prescaled) apply_row_scales<false>(acc, ref_a, ref_b);
   __syncthreads();  // the caller may reuse shared memory
 }
 
@@ -795,8 +819,9 @@ struct HalfCodes {
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
         const int k = h * HALF_K + ((tid + b * THREADS) / (Rows / 4)) * 8;
+        const uint8_t* plane = codes + row / BK * (BK * PITCH) + row % BK;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * b + j] = *reinterpret_cast<const uint32_t*>(codes + (k + j) * PITCH + row);
+        for (int j = 0; j < 8; ++j) w[8 * b + j] = *reinterpret_cast<const uint32_t*>(plane + (k + j) * PITCH);
 #pragma unroll
         for (int i = 0; i < 4; ++i) mul[4 * b + i] = scale[k / MX_BLOCK][row + ((i + rot) & 3)];
       }
@@ -840,24 +865,27 @@ struct HalfCodes {
   }
 };
 
-// The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (WG_STAGES deep,
-// B's TILE_N rows), each stage converted, half by half, into double-buffered f16 tiles in
-// shared memory that two warpgroups multiply asynchronously (m64n256k16; warpgroup w: rows
-// 64 w + [0, 64), every column) while the threads convert the next half. acc[h] holds columns
-// h BN + [0, BN) in for_each_acc's wgmma layout.
-template <bool AKOuter, bool BKOuter>
+// The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (WG_STAGES_OF deep,
+// B's Halves BN rows), each stage converted, half by half, into double-buffered f16 tiles in
+// shared memory that two warpgroups multiply asynchronously (m64n128k16 or m64n256k16;
+// warpgroup w: rows 64 w + [0, 64), every column) while the threads convert the next half.
+// acc[h] holds columns h BN + [0, BN) in for_each_acc's wgmma layout.
+template <bool AKOuter, bool BKOuter, int Halves>
 __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                                const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                               int64_t kb_end, const int32_t* ref, TileAcc& acc) {
-  WgStage* stages = reinterpret_cast<WgStage*>(smem);
-  uint8_t* region = smem + WG_STAGES * sizeof(WgStage);
+                                               int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
+  using StageT = WgStage<Halves>;
+  constexpr int WG_STAGES = WG_STAGES_OF<Halves>;
+  constexpr int F16_B = Halves * F16_A;
+  StageT* stages = reinterpret_cast<StageT*>(smem);
+  uint8_t* region = smem + WG_STAGES * sizeof(StageT);
   const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(region)) % SWIZZLE_ATOM;
   uint8_t* f16 = region + (offset ? SWIZZLE_ATOM - offset : 0);  // buffer h: A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int warpgroup = threadIdx.x / 128;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  TileLoader<AKOuter, BKOuter, WgStage> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  TileLoader<AKOuter, BKOuter, StageT> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
   loader.template prologue<WG_STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, true);
   pin_acc(acc);
   for (int64_t i = 0; i < tiles; ++i) {
@@ -866,23 +894,26 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
     // warpgroup has retired the MMAs that read f16 buffer 0 (waited below).
     __syncthreads();
     const int64_t next = i + WG_STAGES - 1;
-    WgStage& upcoming = stages[next % WG_STAGES];
+    StageT& upcoming = stages[next % WG_STAGES];
     if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
     copy_commit();
-    const WgStage& current = stages[i % WG_STAGES];
+    const StageT& current = stages[i % WG_STAGES];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint8_t* fa = f16 + h * (F16_A + F16_B);
       uint8_t* fb = fa + F16_A;
       HalfCodes<AKOuter, BM> ca;
-      HalfCodes<BKOuter, TILE_N, 2> cb;  // B's rows in two rounds: fewer live registers
+      HalfCodes<BKOuter, Halves * BN, Halves> cb;  // B's rows in Halves rounds: fewer live registers
       ca.load(current.a, current.sa, h);
       cb.load(current.b, current.sb, h, 0);
       if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
       ca.store(fa);
       cb.store(fb, 0);
-      cb.load(current.b, current.sb, h, 1);
-      cb.store(fb, 1);
+#pragma unroll
+      for (int part = 1; part < Halves; ++part) {
+        cb.load(current.b, current.sb, h, part);
+        cb.store(fb, part);
+      }
       fence_async_shared();
       __syncthreads();
       wgmma_fence();
@@ -898,39 +929,35 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
   wgmma_wait<0>();
   pin_acc(acc);
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
-    for_each_acc<true>(acc[h], [&](float& v, int r, int c) {
-      v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[h * BN + c]);
-    });
+  for (int h = 0; h < Halves; ++h) apply_row_scales<true>(acc[h], ref_a, ref_b + h * BN);
   __syncthreads();  // the caller may reuse shared memory
 }
 #endif  // GG_MXFP8_WGMMA_HERE
 
 // The product of the block's tile (A rows [a_row0, +a_rows) x B rows [b_row0, +b_rows), at most
-// TILE_N) over MX blocks [kb_begin, kb_end), handed to store(acc, wg_layout, c0) as
+// Halves BN) over MX blocks [kb_begin, kb_end), handed to store(acc, wg_layout, c0) as
 // accumulators of the BN columns from c0: on the wgmma path where the tile's scale ranges
-// allow it (both halves at once), else in two passes of the per-block (or mma.sync prescaled)
-// path, one per column half.
-template <bool AKOuter, bool BKOuter, typename Store>
+// allow it (every half at once), else in passes of the per-block (or mma.sync prescaled) path,
+// one per column half.
+template <bool AKOuter, bool BKOuter, int Halves, typename Store>
 __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                              int64_t kb_end, RowRanges ranges, Store store) {
-  __shared__ int32_t ref[BM + TILE_N];
-  TileAcc acc;
-  const bool prescaled =
-      PRESCALE && kb_end > kb_begin && scale_ranges(a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ranges, ref);
+  __shared__ int32_t ref[BM + Halves * BN];
+  TileAcc<Halves> acc;
+  const bool prescaled = PRESCALE && kb_end > kb_begin && scale_ranges(a_rows, b_rows, Halves * BN, ranges, ref);
 #if GG_MXFP8_WGMMA_HERE
   if (prescaled) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) for_each_acc<false>(acc[h], [](float& v, int, int) { v = 0.0f; });
-    wgmma_pipeline<AKOuter, BKOuter>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-    store(acc[0], true, 0);
-    store(acc[1], true, BN);
+    for (int h = 0; h < Halves; ++h) for_each_acc<false>(acc[h], [](float& v, int, int) { v = 0.0f; });
+    wgmma_pipeline<AKOuter, BKOuter, Halves>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+#pragma unroll
+    for (int h = 0; h < Halves; ++h) store(acc[h], true, h * BN);
     return;
   }
 #endif
 #pragma unroll 1
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < Halves; ++h) {
     const int rows = min(BN, b_rows - h * BN);
     if (h > 0 && rows <= 0) break;
     for_each_acc<false>(acc[0], [](float& v, int, int) { v = 0.0f; });
@@ -993,6 +1020,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges, const uint16_t* b_ranges,
                 OutT* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int TILE_N = ROWS_HALVES * BN;
   const int col_tiles = (ncols + TILE_N - 1) / TILE_N;
   const int tile = static_cast<int>(blockIdx.x / col_tiles);
   if (tile >= tile_ends[groups - 1]) return;
@@ -1011,7 +1039,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // a_ranges: A's rows (row_ranges_kernel over A); b_ranges: every group's B rows; or null.
   const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
-  tile_product<false, BKOuter>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
+  tile_product<false, BKOuter, ROWS_HALVES>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
                                [&](const Acc& acc, bool wg, int c0) {
                                  store_tile(acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
                                });
@@ -1030,6 +1058,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t t0 = g ? pad_ends[g - 1] : 0;
   const int64_t t1 = pad_ends[g];
   const int row0 = blockIdx.y * BM;
+  constexpr int TILE_N = WGRAD_HALVES * BN;
   const int col0 = blockIdx.x * TILE_N;
   const int rows = min(BM, nrows - row0);
   const int cols = min(TILE_N, ncols - col0);
@@ -1037,7 +1066,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const RowRanges ranges{a_ranges ? a_ranges + static_cast<int64_t>(g) * nrows + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
-  tile_product<KOuter, KOuter>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
+  tile_product<KOuter, KOuter, WGRAD_HALVES>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
                                [&](const Acc& acc, bool wg, int c0) {
                                  store_tile(acc, dst + c0, ncols, rows, cols - c0, accumulate, wg);
                                });
