@@ -265,18 +265,18 @@ _CUOBJDUMP = shutil.which("cuobjdump") or next(
 @pytest.mark.slow
 def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
     unit = tmp_path / "unit.cu"
-    kernels = "\n".join(
-        f"template __global__ void gg_mxfp8::{decl};"
-        for decl in (
-            "rows_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
-            "int, int64_t, const uint16_t*, const uint16_t*, float*)",
-            "rows_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, "
-            "int, int64_t, const uint16_t*, const uint16_t*, uint16_t*)",
-            "wgrad_kernel<uint16_t, true>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, "
-            "const uint16_t*, const uint16_t*, uint16_t*, bool)",
-            "wgrad_kernel<float, false>(gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, "
-            "const uint16_t*, const uint16_t*, float*, bool)",
-        )
+    rows = (
+        "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, int, int64_t, "
+        "const uint16_t*, const uint16_t*, {out}*"
+    )
+    wgrad = (
+        "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, const uint16_t*, const uint16_t*, {out}*, bool"
+    )
+    kernels = "\n".join(  # every instantiation the binding launches: out dtype x k-outer
+        f"template __global__ void gg_mxfp8::{name}<{out}, {k_outer}>({params.format(out=out)});"
+        for name, params in (("rows_kernel", rows), ("wgrad_kernel", wgrad))
+        for out in ("float", "uint16_t")
+        for k_outer in ("false", "true")
     )
     unit.write_text(f'#include "mxfp8_grouped.cuh"\n{kernels}\n')
     arch = target.removeprefix("sm_")
@@ -286,19 +286,19 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert compiled.returncode == 0, compiled.stderr
-    # The four GEMM kernels and row_ranges_kernel.
-    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 5, compiled.stderr
+    # The eight GEMM kernels and row_ranges_kernel.
+    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 9, compiled.stderr
     sass = subprocess.run(
         [_CUOBJDUMP, "--dump-sass", str(tmp_path / "unit.o")], capture_output=True, text=True, check=True
     ).stdout
     assert re.search(instruction, sass)
     assert not re.search(r"\b(LDL|STL)\b", sass)
     if target == "sm_90a" and not defines:
-        # Two halves of a stage, four k16 steps each, in each of the four kernels: 256 columns
+        # Two halves of a stage, four k16 steps each, in each of the eight kernels: 256 columns
         # for fwd / dgrad, 128 for wgrad; ptxas did not have to serialize them (it warns when
         # accumulators are touched in flight).
-        assert len(re.findall(r"\bHGMMA\.64x256x16\b", sass)) == 2 * 2 * 4
-        assert len(re.findall(r"\bHGMMA\.64x128x16\b", sass)) == 2 * 2 * 4
+        assert len(re.findall(r"\bHGMMA\.64x256x16\b", sass)) == 4 * 2 * 4
+        assert len(re.findall(r"\bHGMMA\.64x128x16\b", sass)) == 4 * 2 * 4
         assert "serializ" not in compiled.stderr, compiled.stderr
         assert "HMMA.16816.F32" in sass and "LDGSTS" in sass  # the per-block path
     if defines == ["-DGG_MXFP8_WGMMA=0"]:

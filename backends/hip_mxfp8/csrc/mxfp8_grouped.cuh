@@ -212,8 +212,9 @@ constexpr int smem_bytes(int kouter_operands, bool wgmma) {
   return wgmma && wg > per_block ? wg : per_block;
 }
 
-// 16 bytes global -> shared, zeros where `valid` is false. Asynchronous (cp.async, zero
-// fill by source size) where mma.sync runs; a plain copy elsewhere.
+// 16 bytes global -> shared, zeros where `valid` is false (`src` is then never read, and may
+// point outside the operand). Asynchronous (cp.async, zero fill by source size 0, which
+// reads nothing) where mma.sync runs; a plain copy elsewhere.
 __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool valid) {
 #if GG_MXFP8_MMA_SYNC
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -258,7 +259,6 @@ struct StageLoader {
   static constexpr int PLANE_CHUNKS = BK / LINES_APART;  // k-outer: chunks per plane of BK rows
   static_assert(KOuter ? Rows % BK == 0 : Rows % LINES_APART == 0, "whole planes, whole lines");
   const uint8_t* code;   // chunk 0 at MX block 0
-  const uint8_t* any;    // a readable address for the zero-filled copies
   int64_t code_kb;       // bytes per MX block along the contraction
   int64_t code_chunk;    // bytes between the thread's chunks
   int64_t kb_end;
@@ -271,7 +271,7 @@ struct StageLoader {
   int32_t ref[SCALES];  // the slots' rows' largest scales (prescaled path)
 
   __device__ __forceinline__ StageLoader(const Operand& op, int64_t row0, int rows_, int64_t kb_end_)
-      : any(op.data), kb_end(kb_end_), inside(0), rows(rows_) {
+      : kb_end(kb_end_), inside(0), rows(rows_) {
     const int tid = threadIdx.x;
     const int line = tid / (BK / 16);
     const int byte = (tid % (BK / 16)) * 16;
@@ -304,7 +304,7 @@ struct StageLoader {
       const int line = KOuter ? i % PLANE_CHUNKS : i;  // the chunk's line, in steps of LINES_APART
       const bool valid = (inside >> i & 1u) && (KOuter ? k + line * LINES_APART : k) < kb_end * MX_BLOCK;
       const uint8_t* from = src + line * code_chunk + (KOuter ? i / PLANE_CHUNKS * BK : 0);
-      copy16(d + i * LINES_APART * PITCH, valid ? from : any, valid);
+      copy16(d + i * LINES_APART * PITCH, from, valid);
     }
   }
 
