@@ -18,6 +18,8 @@ from grouped_gemm.recipes import get_recipe
 POISON = float("nan")
 
 
+#: Elements per float64 chunk of ``sqnr_db`` (a whole wgrad result of a large MoE layer, in
+#: float64 twice over, would not fit on the GPU beside its operands).
 _SQNR_CHUNK = 1 << 24
 
 
@@ -26,11 +28,11 @@ def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
     NaN or Inf anywhere in ``actual`` gives ``-inf``; an exact match gives ``inf``.
     """
+    if actual.shape != expected.shape:
+        raise ValueError(f"sqnr_db: actual {tuple(actual.shape)} and expected {tuple(expected.shape)} differ in shape")
     a = actual.detach().reshape(-1)
     e = expected.detach().reshape(-1)
     noise = signal = 0.0
-    # float64 copies a chunk at a time: a whole wgrad result of a large MoE layer would not
-    # fit on the GPU beside the operands twice over
     for i in range(0, a.numel(), _SQNR_CHUNK):
         ac = a[i : i + _SQNR_CHUNK].to(torch.float64)
         ec = e[i : i + _SQNR_CHUNK].to(torch.float64)
