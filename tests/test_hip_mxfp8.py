@@ -162,6 +162,27 @@ def test_scale_spread_at_and_past_the_prescaled_limit(op, gen):
         assert sqnr_db(got[rows], want[rows]) >= MIN_SQNR
 
 
+@pytest.mark.parametrize("op", ["dgrad", "wgrad"])
+def test_contraction_tails_never_reach_the_next_group(op, gen):
+    """A tile's last stage runs past its group's contraction into the next group's codes
+    (dgrad: the weight read k-outer, group 0's N = 96 steps of a 128-step stage; wgrad: group
+    0's 64 padded tokens). Group 1 is NaN there, so a stage that took those codes instead of
+    zeros would make group 0 NaN; only group 1's own outputs may be."""
+    groups, n, k = 2, 96 if op == "dgrad" else 64, 64 if op == "dgrad" else 48
+    splits = [40, 100]
+    m = sum(splits)
+    a, b = _operands(op, groups, m, n, k, gen)
+    if op == "dgrad":
+        b[1] = float("nan")  # the weight of group 1
+    else:
+        a[40:] = float("nan")  # group 1's tokens of dy
+    want = _call(op, a, b, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call(op, a, b, splits, "mxfp8", NAME, out=_out(op, groups, m, n, k, torch.float32))
+    own, other = (slice(0, 40), slice(40, m)) if op == "dgrad" else (0, 1)
+    assert torch.isnan(want[other]).all() and torch.isnan(got[other]).all()
+    assert torch.isfinite(got[own]).all() and sqnr_db(got[own], want[own]) >= MIN_SQNR
+
+
 def test_all_groups_empty():
     x = torch.empty(0, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(3, 128, 256, device=DEVICE, dtype=torch.bfloat16)
