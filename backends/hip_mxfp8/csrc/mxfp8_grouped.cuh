@@ -963,15 +963,11 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
     for_each_acc<false>(acc[0], [](float& v, int, int) { v = 0.0f; });
     if (kb_end > kb_begin) {
       const int32_t* ref_b = ref + BM + h * BN;
-      bool done = false;
-      if constexpr (PRESCALE && !GG_MXFP8_WGMMA_HERE) {  // the prescaled path on mma.sync
-        if (prescaled) {
-          tile_pipeline<AKOuter, BKOuter, true>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
-                                                ref, ref_b, acc[0]);
-          done = true;
-        }
-      }
-      if (!done)
+      constexpr bool MMA_PRESCALED = PRESCALE && !GG_MXFP8_WGMMA_HERE;  // the prescaled path on mma.sync
+      if (MMA_PRESCALED && prescaled)
+        tile_pipeline<AKOuter, BKOuter, MMA_PRESCALED>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin,
+                                                       kb_end, ref, ref_b, acc[0]);
+      else
         tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
                                                ref, ref_b, acc[0]);
     }
