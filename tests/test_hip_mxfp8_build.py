@@ -265,12 +265,14 @@ _CUOBJDUMP = shutil.which("cuobjdump") or next(
 @pytest.mark.slow
 def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
     unit = tmp_path / "unit.cu"
+    maps = "const __grid_constant__ gg_mxfp8::TensorMap, const __grid_constant__ gg_mxfp8::TensorMap"
     rows = (
         "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, int, int64_t, "
-        "const uint16_t*, const uint16_t*, {out}*"
+        "const uint16_t*, const uint16_t*, {out}*, " + maps
     )
     wgrad = (
-        "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, const uint16_t*, const uint16_t*, {out}*, bool"
+        "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, int, int, const uint16_t*, const uint16_t*, {out}*, "
+        "bool, " + maps
     )
     kernels = "\n".join(  # every instantiation the binding launches: out dtype x k-outer
         f"template __global__ void gg_mxfp8::{name}<{out}, {k_outer}>({params.format(out=out)});"
@@ -301,6 +303,7 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         assert len(re.findall(r"\bHGMMA\.64x128x16\b", sass)) == 4 * 2 * 4
         assert "serializ" not in compiled.stderr, compiled.stderr
         assert "HMMA.16816.F32" in sass and "LDGSTS" in sass  # the per-block path
+        assert "UTMALDG.2D" in sass  # the wgmma path's stages, copied by TMA
     if defines == ["-DGG_MXFP8_WGMMA=0"]:
         assert "HMMA.16816.F32" in sass
         # On both paths each E4M3 fragment register is converted once (two F2FP) and feeds

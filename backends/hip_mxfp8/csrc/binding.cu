@@ -8,10 +8,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <type_traits>
 #include <utility>
+
+#if !defined(__HIP_PLATFORM_AMD__)
+#include <cudaTypedefs.h>
+#endif
 
 #include "mxfp8_grouped.cuh"
 
@@ -25,6 +30,7 @@ using gg_mxfp8::Operand;
 struct CheckedOperand {
   Operand op;
   int64_t len;
+  int64_t lines;  // lines of op.ld bytes in the whole tensor (its TMA view's outer extent)
 };
 
 CheckedOperand operand(const torch::Tensor& data, const torch::Tensor& scale, bool k_outer, const char* name) {
@@ -50,8 +56,10 @@ CheckedOperand operand(const torch::Tensor& data, const torch::Tensor& scale, bo
                    k_outer ? 1 : blocks,
                    k_outer ? rows : 1,
                    rows * len,
-                   rows * blocks};
-  return {op, len};
+                   rows * blocks,
+                   nullptr,
+                   0};
+  return {op, len, data.numel() / op.ld};
 }
 
 void check_out(const torch::Tensor& out) {
@@ -66,12 +74,48 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
               name, " must be a contiguous int32 GPU tensor of ", groups, " group ends");
 }
 
+// Whether launches on the current device take the wgmma path (and so read TensorMaps).
+bool wgmma_launch() { return gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9; }
+
 // Dynamic shared memory of a launch on the current device: sm_90 runs the prescaled path on
 // wgmma (built for sm_90a), which needs its f16 buffers; tiles of `Halves` column halves.
 template <int Halves>
 int launch_smem(int kouter_operands) {
-  return gg_mxfp8::smem_bytes<Halves>(kouter_operands,
-                                      gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9);
+  return gg_mxfp8::smem_bytes<Halves>(kouter_operands, wgmma_launch());
+}
+
+// The wgmma path's TMA view of an operand's codes: lines of op.ld bytes, boxes of BK bytes x
+// `box_lines` lines, 128-byte swizzle, zeros outside the tensor. Zeros elsewhere (no wgmma).
+gg_mxfp8::TensorMap tensor_map(const CheckedOperand& operand, int box_lines) {
+  gg_mxfp8::TensorMap map{};
+#if !defined(__HIP_PLATFORM_AMD__)
+  if (!wgmma_launch()) return map;
+  static_assert(sizeof(map) == sizeof(CUtensorMap) && alignof(gg_mxfp8::TensorMap) >= alignof(CUtensorMap));
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr, "cuTensorMapEncodeTiled is not available");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const Operand& op = operand.op;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(op.ld), static_cast<cuuint64_t>(operand.lines)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(op.ld)};
+  const cuuint32_t box[2] = {gg_mxfp8::BK, static_cast<cuuint32_t>(box_lines)};
+  const cuuint32_t steps[2] = {1, 1};
+  CUtensorMap encoded;
+  const CUresult result = encode(&encoded, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(op.data), dims,
+                                 strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", static_cast<int>(result), ") for ",
+              operand.lines, " lines of ", op.ld, " bytes");
+  std::memcpy(&map, &encoded, sizeof map);
+#endif
+  return map;
 }
 
 // Raise the kernel's dynamic shared-memory limit to what this launch asks (above the 48 KiB
@@ -103,23 +147,24 @@ const uint16_t* row_ranges(const Operand& op, int groups, int rows, int64_t kblo
 template <typename OutT, bool BKOuter>
 void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& row_ends,
                  const torch::Tensor& tile_ends, int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges,
-                 const uint16_t* b_ranges, OutT* out) {
+                 const uint16_t* b_ranges, OutT* out, const gg_mxfp8::TensorMap& map_a,
+                 const gg_mxfp8::TensorMap& map_b) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
   const int smem = launch_smem<gg_mxfp8::ROWS_HALVES>(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
-                                                    groups, ncols, kblocks, a_ranges, b_ranges, out);
+                                                    groups, ncols, kblocks, a_ranges, b_ranges, out, map_a, map_b);
 }
 
 template <typename OutT, bool KOuter>
 void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operand& b, const torch::Tensor& pad_ends,
                   int nrows, int ncols, const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* out,
-                  bool accumulate) {
+                  bool accumulate, const gg_mxfp8::TensorMap& map_a, const gg_mxfp8::TensorMap& map_b) {
   const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
   const int smem = launch_smem<gg_mxfp8::WGRAD_HALVES>(KOuter ? 2 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, a_ranges,
-                                                    b_ranges, out, accumulate);
+                                                    b_ranges, out, accumulate, map_a, map_b);
 }
 
 // f(out's data pointer as float* or uint16_t* (bf16 bits), std::bool_constant<k_outer>): one
@@ -173,9 +218,12 @@ void rows_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const 
     a_ranges = row_ranges(a.op, 1, m, kblocks, nullptr, ranges, 0, stream);
     b_ranges = row_ranges(b.op, g, c, kblocks, nullptr, ranges, m, stream);
   }
+  // TMA boxes: BM rows of a; a stage's columns of b (or one plane of BK contraction steps).
+  const auto map_a = tensor_map(a, gg_mxfp8::BM);
+  const auto map_b = tensor_map(b, b_k_outer ? gg_mxfp8::BK : tile_cols);
   with_out_and_layout(out, b_k_outer, [&](auto* o, auto k_outer) {
     launch_rows<std::remove_pointer_t<decltype(o)>, decltype(k_outer)::value>(
-        grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o);
+        grid, stream, a.op, b.op, row_ends, tile_ends, g, c, kblocks, a_ranges, b_ranges, o, map_a, map_b);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -212,9 +260,12 @@ void wgrad_gemm(const torch::Tensor& a_data, const torch::Tensor& a_scale, const
     a_ranges = row_ranges(a.op, g, r, 0, ends, ranges, 0, stream);
     b_ranges = row_ranges(b.op, g, c, 0, ends, ranges, groups * nrows, stream);
   }
+  // TMA boxes: BM rows of a and tile_cols of b, or one plane of BK tokens.
+  const auto map_a = tensor_map(a, k_outer ? gg_mxfp8::BK : gg_mxfp8::BM);
+  const auto map_b = tensor_map(b, k_outer ? gg_mxfp8::BK : tile_cols);
   with_out_and_layout(out, k_outer, [&](auto* o, auto k_outer_) {
-    launch_wgrad<std::remove_pointer_t<decltype(o)>, decltype(k_outer_)::value>(grid, stream, a.op, b.op, pad_ends, r,
-                                                                                c, a_ranges, b_ranges, o, accumulate);
+    launch_wgrad<std::remove_pointer_t<decltype(o)>, decltype(k_outer_)::value>(
+        grid, stream, a.op, b.op, pad_ends, r, c, a_ranges, b_ranges, o, accumulate, map_a, map_b);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -130,12 +130,29 @@ struct Operand {
   int64_t skb;     // scale bytes between MX blocks
   int64_t gdata;
   int64_t gscale;
+  // The wgmma path's TMA view of the codes (set by the kernel; null elsewhere): a 2-D tensor of
+  // lines of ld bytes (rows, or contraction steps if k-outer), data's first line at first_line.
+  const void* map;
+  int64_t first_line;
 };
+
+// CUtensorMap's size and (CUDA 13's, the larger) alignment, so that the kernels' signatures do not depend on the
+// CUDA driver header (ROCm builds pass zeros they never read). Filled on the host by
+// cuTensorMapEncodeTiled: uint8 codes, 2-D, 128-byte swizzle.
+struct alignas(128) TensorMap {
+  uint64_t opaque[16];
+};
+#if defined(__HIP_PLATFORM_AMD__)
+#define GG_GRID_CONSTANT
+#else
+#define GG_GRID_CONSTANT __grid_constant__
+#endif
 
 __device__ __forceinline__ Operand group_operand(const Operand& op, int g) {
   Operand o = op;
   o.data += static_cast<int64_t>(g) * op.gdata;
   o.scale += static_cast<int64_t>(g) * op.gscale;
+  o.first_line += static_cast<int64_t>(g) * (op.gdata / op.ld);
   return o;
 }
 
@@ -197,13 +214,28 @@ struct StageOf {
   uint32_t sb[KB_PER_TILE][BRows];
 };
 using Stage = StageOf<BN>;
+// A stage of the wgmma path as TMA writes it: codes in 128-byte lines (a row, or a
+// contraction step if k-outer, in planes of BK lines), line l's 16-byte chunk c at
+// l BK + (c ^ l % 8) 16 (the 128-byte swizzle: eight lines' same chunk in eight bank groups),
+// then the scale words as in StageOf. Every part is a multiple of 1024 bytes (the swizzle's
+// period and the copies' alignment).
 template <int Halves>
-using WgStage = StageOf<Halves * BN>;
+struct WgStage {
+  static constexpr int B_ROWS = Halves * BN;
+  uint8_t a[BM * BK];
+  uint8_t b[B_ROWS * BK];
+  uint32_t sa[KB_PER_TILE][BM];
+  uint32_t sb[KB_PER_TILE][B_ROWS];
+};
+static_assert(sizeof(WgStage<1>) % 1024 == 0 && sizeof(WgStage<2>) % 1024 == 0, "stages keep the 1024-byte alignment");
+
+// Byte offset of line l's byte `byte` in a swizzled stage.
+__device__ __forceinline__ int swizzled(int l, int byte) { return l * BK + (((byte >> 4) ^ (l & 7)) << 4) + (byte & 15); }
 
 // Dynamic shared memory of a launch, shared by a block's two paths: the per-block path's
 // stages, then one transpose buffer per k-outer operand; the wgmma path's (`wgmma`: the device
-// is sm_90 and the build has that path) stages, then its f16 buffers (two of A and B, plus
-// slack to align them to the swizzle's 1024 bytes), for tiles of `Halves` column halves.
+// is sm_90 and the build has that path) stages and f16 buffers (two of A and B), aligned to
+// the swizzle's 1024 bytes, for tiles of `Halves` column halves.
 template <int Halves>
 constexpr int smem_bytes(int kouter_operands, bool wgmma) {
   const int per_block = STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
@@ -221,6 +253,59 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 #else
   *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+// The wgmma path's stage copies (sm_90a): one TMA copy per operand and stage (two for a
+// k-outer B of two planes), issued by one thread and completing on the stage's shared-memory
+// barrier, where 16-byte cp.async took twelve instructions a thread with their addresses (the
+// H100 source counters had a fifth of the stall samples on those). No operation on other
+// targets, which never call them.
+#if GG_MXFP8_WGMMA_HERE
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// The box at (x: byte along the line, y: line) of `map` into `dst` (1024-byte aligned).
+__device__ __forceinline__ void tma_load(uint8_t* dst, const void* map, int64_t x, int64_t y, uint64_t* bar) {
+#if GG_MXFP8_WGMMA_HERE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(smem_addr(dst)),
+      "l"(map), "r"(static_cast<int32_t>(x)), "r"(static_cast<int32_t>(y)), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// The calling thread's arrival on `bar`, announcing `bytes` to land in the current phase.
+__device__ __forceinline__ void arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+#if GG_MXFP8_WGMMA_HERE
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+#if GG_MXFP8_WGMMA_HERE
+  asm volatile(
+      "{\n .reg .pred done;\n gg_wait:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra gg_wait;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// `count` barriers, each completing a phase on one arrival and its bytes; the caller
+// synchronizes the block after.
+__device__ __forceinline__ void bars_init(uint64_t* bars, int count) {
+#if GG_MXFP8_WGMMA_HERE
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < count; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bars + i)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
 #endif
 }
 
@@ -269,6 +354,8 @@ struct StageLoader {
   int64_t scale_kb, scale_slot;
   int r0, dr, kb0, dkb;
   int32_t ref[SCALES];  // the slots' rows' largest scales (prescaled path)
+  const void* map;      // the wgmma path's TMA view, and the stage's box at MX block 0
+  int64_t tma_x0, tma_y0;
 
   __device__ __forceinline__ StageLoader(const Operand& op, int64_t row0, int rows_, int64_t kb_end_)
       : kb_end(kb_end_), inside(0), rows(rows_) {
@@ -290,6 +377,23 @@ struct StageLoader {
     scale = op.scale + (row0 + r0) * op.srow + kb0 * op.skb;
     scale_kb = op.skb;
     scale_slot = dr * op.srow + dkb * op.skb;
+    map = op.map;
+    tma_x0 = KOuter ? row0 : 0;
+    tma_y0 = KOuter ? op.first_line : op.first_line + row0;
+  }
+
+  // The wgmma path's copy of MX blocks [kb, kb + KB_PER_TILE) into the swizzled `dst` (see
+  // WgStage), by the one calling thread: a box of BK bytes x Rows rows, or with KOuter one of
+  // BK rows x BK contraction steps per plane. The box reads zeros past the operand's tensor
+  // and whatever lies beyond the tile inside it (the caller zeroes contraction steps past
+  // kb_end; other rows only reach outputs that are never stored).
+  __device__ __forceinline__ void tma_codes(int64_t kb, uint8_t* dst, uint64_t* bar) const {
+    if constexpr (KOuter) {
+#pragma unroll
+      for (int p = 0; p < Rows / BK; ++p) tma_load(dst + p * BK * BK, map, tma_x0 + p * BK, tma_y0 + kb * MX_BLOCK, bar);
+    } else {
+      tma_load(dst, map, tma_x0 + kb * MX_BLOCK, tma_y0, bar);
+    }
   }
 
   // Issue the copies of MX blocks [kb, kb + KB_PER_TILE) into `dst`. Rows outside the operand
@@ -353,10 +457,20 @@ struct TileLoader {
                                         int64_t b_row0, int b_rows, int64_t kb_end)
       : a(op_a, a_row0, a_rows, kb_end), b(op_b, b_row0, b_rows, kb_end) {}
 
-  // Copies and scale loads of the stage starting at MX block kb.
-  __device__ __forceinline__ void issue(int64_t kb, StageT& stage) {
-    a.copy_codes(kb, stage.a);
-    b.copy_codes(kb, stage.b);
+  // Copies and scale loads of the stage starting at MX block kb: cp.async, or with `bar` (the
+  // wgmma path, `Tma`) TMA copies issued by thread 0 that complete on it.
+  template <bool Tma = false>
+  __device__ __forceinline__ void issue(int64_t kb, StageT& stage, uint64_t* bar = nullptr) {
+    if constexpr (Tma) {
+      if (threadIdx.x == 0) {
+        arrive_expect_bytes(bar, sizeof(stage.a) + sizeof(stage.b));
+        a.tma_codes(kb, stage.a, bar);
+        b.tma_codes(kb, stage.b, bar);
+      }
+    } else {
+      a.copy_codes(kb, stage.a);
+      b.copy_codes(kb, stage.b);
+    }
     a.load_scales(kb, scale_a);
     b.load_scales(kb, scale_b);
   }
@@ -368,10 +482,10 @@ struct TileLoader {
   }
 
   // The first `stages_ahead` stages of [kb_begin, kb_begin + tiles stages), one commit group
-  // each; `ref_a`, `ref_b`: the rows' largest scales (prescaled path).
-  template <int stages_ahead>
+  // each (or completing on bars[s]); `ref_a`, `ref_b`: the rows' largest scales (prescaled path).
+  template <int stages_ahead, bool Tma = false>
   __device__ __forceinline__ void prologue(StageT* stages, int64_t kb_begin, int64_t tiles, const int32_t* ref_a,
-                                           const int32_t* ref_b, bool prescaled) {
+                                           const int32_t* ref_b, bool prescaled, uint64_t* bars = nullptr) {
     if (prescaled) {
       a.bind(ref_a);
       b.bind(ref_b);
@@ -379,7 +493,7 @@ struct TileLoader {
 #pragma unroll
     for (int s = 0; s < stages_ahead; ++s) {
       if (s < tiles) {
-        issue(kb_begin + s * KB_PER_TILE, stages[s]);
+        issue<Tma>(kb_begin + s * KB_PER_TILE, stages[s], bars + s);
         store_scales(stages[s], prescaled);
       }
       copy_commit();
@@ -781,8 +895,8 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* tile, int r, int c, uin
   *reinterpret_cast<uint4*>(tile + r * SWIZZLE_ROW + ((c ^ (r % 8)) * 16)) = v;
 }
 
-// The calling thread's share of half `h` of a stage (contraction steps [64 h, 64 h + 64)) of
-// one operand of `Rows` rows: its words of codes and their relative scales (`mul`, f16x2
+// The calling thread's share of half `h` of a swizzled stage (WgStage; contraction steps
+// [64 h, 64 h + 64)) of one operand of `Rows` rows: its words of codes and their relative scales (`mul`, f16x2
 // words from store_scales). Contraction-major: 16-code runs of one row. k-outer: blocks of
 // four rows by eight steps, byte-transposed in registers. All of a half's shared-memory loads
 // are issued before any conversion: the compiler cannot move them above the f16 stores (it
@@ -807,7 +921,7 @@ struct HalfCodes {
 #pragma unroll
       for (int i = 0; i < RUNS; ++i) {
         const int k = h * HALF_K + ((tid + i * THREADS) / Rows) * 16;
-        const uint4 v = *reinterpret_cast<const uint4*>(codes + row * PITCH + k);
+        const uint4 v = *reinterpret_cast<const uint4*>(codes + swizzled(row, k));
         w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
         mul[i] = scale[k / MX_BLOCK][row];
       }
@@ -819,9 +933,9 @@ struct HalfCodes {
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
         const int k = h * HALF_K + ((tid + b * THREADS) / (Rows / 4)) * 8;
-        const uint8_t* plane = codes + row / BK * (BK * PITCH) + row % BK;
+        const uint8_t* plane = codes + row / BK * (BK * BK);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[8 * b + j] = *reinterpret_cast<const uint32_t*>(plane + (k + j) * PITCH);
+        for (int j = 0; j < 8; ++j) w[8 * b + j] = *reinterpret_cast<const uint32_t*>(plane + swizzled(k + j, row % BK));
 #pragma unroll
         for (int i = 0; i < 4; ++i) mul[4 * b + i] = scale[k / MX_BLOCK][row + ((i + rot) & 3)];
       }
@@ -865,6 +979,20 @@ struct HalfCodes {
   }
 };
 
+// Zeros in the contraction steps [steps, BK) of a swizzled stage of `Rows` rows (past the
+// tile's contraction: TMA copied whatever lies there, another group's rows or tokens).
+template <bool KOuter, int Rows>
+__device__ __forceinline__ void zero_past(uint8_t* codes, int steps) {
+  static_assert(Rows * 8 % THREADS == 0, "whole 16-byte chunks per thread");
+#pragma unroll
+  for (int i = 0; i < Rows * 8 / THREADS; ++i) {
+    const int t = threadIdx.x + i * THREADS;  // line t / 8 (of planes of BK when k-outer), chunk t % 8
+    const int line = t / 8;
+    if ((KOuter ? line % BK : t % 8 * 16) >= steps)
+      *reinterpret_cast<uint4*>(codes + (KOuter ? t * 16 : swizzled(line, t % 8 * 16))) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (WG_STAGES_OF deep,
 // B's Halves BN rows), each stage converted, half by half, into double-buffered f16 tiles in
 // shared memory that two warpgroups multiply asynchronously (m64n128k16 or m64n256k16;
@@ -877,27 +1005,35 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
   using StageT = WgStage<Halves>;
   constexpr int WG_STAGES = WG_STAGES_OF<Halves>;
   constexpr int F16_B = Halves * F16_A;
-  StageT* stages = reinterpret_cast<StageT*>(smem);
-  uint8_t* region = smem + WG_STAGES * sizeof(StageT);
-  const uint32_t offset = static_cast<uint32_t>(__cvta_generic_to_shared(region)) % SWIZZLE_ATOM;
-  uint8_t* f16 = region + (offset ? SWIZZLE_ATOM - offset : 0);  // buffer h: A, then B
+  const uint32_t offset = smem_addr(smem) % SWIZZLE_ATOM;
+  StageT* stages = reinterpret_cast<StageT*>(smem + (offset ? SWIZZLE_ATOM - offset : 0));
+  uint8_t* f16 = reinterpret_cast<uint8_t*>(stages + WG_STAGES);  // buffer h: A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int warpgroup = threadIdx.x / 128;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
+  __shared__ uint64_t bars[WG_STAGES];  // stage s has landed: a phase of bars[s]
+  bars_init(bars, WG_STAGES);
+  __syncthreads();
   TileLoader<AKOuter, BKOuter, StageT> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
-  loader.template prologue<WG_STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, true);
+  loader.template prologue<WG_STAGES - 1, true>(stages, kb_begin, tiles, ref_a, ref_b, true, bars);
   pin_acc(acc);
   for (int64_t i = 0; i < tiles; ++i) {
-    copy_wait<WG_STAGES - 2>();
-    // Stage i has landed for every thread, stage i - 1 is no longer read, and every
-    // warpgroup has retired the MMAs that read f16 buffer 0 (waited below).
+    StageT& current = stages[i % WG_STAGES];
+    bar_wait(bars + i % WG_STAGES, static_cast<uint32_t>(i / WG_STAGES) & 1u);
+    const int64_t steps_left = (kb_end - kb_begin - i * KB_PER_TILE) * MX_BLOCK;
+    if (steps_left < BK) {  // the tile's last stage reaches past its contraction
+      zero_past<AKOuter, BM>(current.a, static_cast<int>(steps_left));
+      zero_past<BKOuter, StageT::B_ROWS>(current.b, static_cast<int>(steps_left));
+      fence_async_shared();  // before a later TMA copy into this stage
+    }
+    // Stage i has landed (and its zeros are written) for every thread, stage i - 1 is no
+    // longer read, and every warpgroup has retired the MMAs that read f16 buffer 0 (waited
+    // below).
     __syncthreads();
     const int64_t next = i + WG_STAGES - 1;
     StageT& upcoming = stages[next % WG_STAGES];
-    if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
-    copy_commit();
-    const StageT& current = stages[i % WG_STAGES];
+    if (next < tiles) loader.template issue<true>(kb_begin + next * KB_PER_TILE, upcoming, bars + next % WG_STAGES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint8_t* fa = f16 + h * (F16_A + F16_B);
@@ -925,7 +1061,6 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
     }
     if (next < tiles) loader.store_scales(upcoming, true);
   }
-  copy_wait<0>();
   wgmma_wait<0>();
   pin_acc(acc);
 #pragma unroll
@@ -1014,8 +1149,11 @@ template <typename OutT, bool BKOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     rows_kernel(Operand a, Operand b, const int32_t* __restrict__ row_ends, const int32_t* __restrict__ tile_ends,
                 int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges, const uint16_t* b_ranges,
-                OutT* __restrict__ out) {
+                OutT* __restrict__ out, const GG_GRID_CONSTANT TensorMap map_a,
+                const GG_GRID_CONSTANT TensorMap map_b) {
   extern __shared__ __align__(16) uint8_t smem[];
+  a.map = &map_a;
+  b.map = &map_b;
   constexpr int TILE_N = ROWS_HALVES * BN;
   const int col_tiles = (ncols + TILE_N - 1) / TILE_N;
   const int tile = static_cast<int>(blockIdx.x / col_tiles);
@@ -1048,8 +1186,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename OutT, bool KOuter>
 __global__ void __launch_bounds__(THREADS, 1)
     wgrad_kernel(Operand a, Operand b, const int32_t* __restrict__ pad_ends, int nrows, int ncols,
-                 const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* __restrict__ out, bool accumulate) {
+                 const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* __restrict__ out, bool accumulate,
+                 const GG_GRID_CONSTANT TensorMap map_a, const GG_GRID_CONSTANT TensorMap map_b) {
   extern __shared__ __align__(16) uint8_t smem[];
+  a.map = &map_a;
+  b.map = &map_b;
   const int g = blockIdx.z;
   const int64_t t0 = g ? pad_ends[g - 1] : 0;
   const int64_t t1 = pad_ends[g];
