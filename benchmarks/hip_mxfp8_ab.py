@@ -9,7 +9,7 @@ the public call (activations quantized per call, device splits).
 
 python benchmarks/hip_mxfp8_ab.py --variants new=backends/hip_mxfp8/csrc --cases gptoss120b_gateup \
     --ops fwd,dgrad,wgrad --api --out ab.json
---ncu OP: run each variant's kernel a few times on the first case only (for ncu -k).
+--ncu OP (fwd, dgrad or wgrad): run each variant's kernel a few times on the first case only (for ncu -k).
 """
 
 import argparse
@@ -162,13 +162,23 @@ def interleaved(fns):
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def wgrad_row(case, kind):
-    """Public API wgrad (bf16 dy and x quantized per call) against torch._grouped_mm's."""
-    G, M, N, K = case.groups, case.m, case.n, case.k
+def wgrad_operands(case, kind):
+    """bf16 dy and x of a wgrad, and the quantized (token-major) operands the kernels take."""
+    M, N, K = case.m, case.n, case.k
     splits = case.splits(kind)
     gen = torch.Generator(device=dev).manual_seed(0)
     dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16, generator=gen)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
+    dy_q = quantize_mx_rows(dy, splits, "e4m3", align=32)
+    x_q = quantize_mx_rows(x, splits, "e4m3", align=32)
+    operands = [t.contiguous() for t in (dy_q.tensor.data, dy_q.tensor.scale, x_q.tensor.data, x_q.tensor.scale)]
+    return splits, dy, x, operands, dy_q.padded_offsets[1:]
+
+
+def wgrad_row(case, kind):
+    """Public API wgrad (bf16 dy and x quantized per call) against torch._grouped_mm's."""
+    G, M, N, K = case.groups, case.m, case.n, case.k
+    splits, dy, x, operands, ends = wgrad_operands(case, kind)
     offs = torch.tensor(splits, device=dev).cumsum(0).to(torch.int32)
     dsplits = torch.tensor(splits, device=dev)
     out = torch.empty(G, N, K, device=dev, dtype=torch.bfloat16)
@@ -177,10 +187,6 @@ def wgrad_row(case, kind):
         fns["api"] = lambda: gg.grouped_gemm_wgrad(dy, x, dsplits, recipe="mxfp8", backend="hip_mxfp8", out=out)
     want = gg.grouped_gemm_wgrad(dy, x, splits, recipe="mxfp8", backend="reference", out_dtype=torch.float32)
     # every variant's kernel on the operands the API would quantize (token-major, k-outer)
-    dy_q = quantize_mx_rows(dy, splits, "e4m3", align=32)
-    x_q = quantize_mx_rows(x, splits, "e4m3", align=32)
-    ends = dy_q.padded_offsets[1:]
-    operands = [t.contiguous() for t in (dy_q.tensor.data, dy_q.tensor.scale, x_q.tensor.data, x_q.tensor.scale)]
     sq, same, base = {}, {}, None
     for name, mod in mods.items():
         dst = torch.empty(G, N, K, device=dev, dtype=torch.bfloat16)
@@ -212,9 +218,17 @@ rows = []
 cases = select_cases(args.cases, args.scale)
 ops = args.ops.split(",")
 if args.ncu:
-    d = prepare(args.ncu, cases[0], args.splits.split(",")[0])
+    kind = args.splits.split(",")[0]
+    if args.ncu == "wgrad":
+        _, _, _, operands, ends = wgrad_operands(cases[0], kind)
+        dst = torch.empty(cases[0].groups, cases[0].n, cases[0].k, device=dev, dtype=torch.bfloat16)
+    else:
+        d = prepare(args.ncu, cases[0], kind)
     for name, mod in mods.items():
-        f = runner(name, mod, d, args.ncu)
+        if args.ncu == "wgrad":
+            f = lambda mod=mod: mod.wgrad_gemm(*operands, ends, dst, False, True)  # noqa: E731
+        else:
+            f = runner(name, mod, d, args.ncu)
         for _ in range(3):
             f()
     torch.cuda.synchronize()
