@@ -162,6 +162,50 @@ def test_scale_spread_at_and_past_the_prescaled_limit(op, gen):
         assert sqnr_db(got[rows], want[rows]) >= MIN_SQNR
 
 
+def test_wgrad_scale_spread_at_and_past_the_prescaled_limit(gen):
+    """wgrad at the prescaled path's limit: dy's rows (its columns, per group) span 15 binades
+    in group 0 and 16 in group 1 (token block 0 at 2^15, 2^16), so group 0's tile takes the
+    prescaled path and group 1's the per-block one; x's block 0 at 2^-15, 2^-16 keeps every
+    block's products the same size (+-1 each), so one flushed or mis-scaled block shows as a
+    large error."""
+    groups, m, n, k = 2, 256, 128, 128
+    splits = [128, 128]
+
+    def signs(*shape):
+        return torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+
+    dy, x = signs(m, n), signs(m, k)
+    dy[:32] *= 2.0**15
+    dy[128:160] *= 2.0**16
+    x[:32] *= 2.0**-15
+    x[128:160] *= 2.0**-16
+    dy, x = dy.to(DEVICE, torch.bfloat16), x.to(DEVICE, torch.bfloat16)
+    want = _call("wgrad", dy, x, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call("wgrad", dy, x, splits, "mxfp8", NAME, out=_out("wgrad", groups, m, n, k, torch.float32))
+    assert want.abs().amax() > 0
+    for g in range(groups):
+        assert sqnr_db(got[g], want[g]) >= MIN_SQNR
+
+
+def test_wgrad_over_many_tiles_of_mixed_groups(gen):
+    """wgrad over 480 tiles (several waves of blocks) mixing empty groups (zeros), groups of
+    one stage, groups of many, and two groups whose scales span more than 15 binades (their
+    tiles take the per-block path amid prescaled ones)."""
+    splits = [0, 32, 100, 0, 256, 7, 64, 300, 0, 33, 128, 1, 500, 96, 0, 40, 64, 200, 3, 0, 160, 31, 90, 65]
+    groups, m, n, k = len(splits), sum(splits), 512, 640
+    dy, x = _operands("wgrad", groups, m, n, k, gen)
+    starts = [sum(splits[:g]) for g in range(groups)]
+    for g in (4, 17):  # +-2^20 on one token of the group's first 32: every row's spread > 15
+        dy[starts[g]] = dy[starts[g]].sign() * 2.0**20
+    want = _call("wgrad", dy, x, splits, "mxfp8", "reference", out_dtype=torch.float32)
+    got = _call("wgrad", dy, x, splits, "mxfp8", NAME, out=_out("wgrad", groups, m, n, k, torch.float32))
+    for g, size in enumerate(splits):
+        if size == 0:
+            assert torch.count_nonzero(got[g]) == 0
+        else:
+            assert sqnr_db(got[g], want[g]) >= MIN_SQNR, g
+
+
 @pytest.mark.parametrize("op", ["dgrad", "wgrad"])
 def test_contraction_tails_never_reach_the_next_group(op, gen):
     """A tile's last stage runs past its group's contraction into the next group's codes
