@@ -265,13 +265,13 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const uint8_t* src, bool va
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-#endif
 
 // `v`, which the compiler cannot recompute from its inputs: it stays in a register.
 __device__ __forceinline__ uint32_t opaque(uint32_t v) {
   asm volatile("mov.b32 %0, %0;\n" : "+r"(v));
   return v;
 }
+#endif
 
 // The box at (x: byte along the line, y: line) of `map` into `dst` (1024-byte aligned).
 __device__ __forceinline__ void tma_load(uint8_t* dst, const void* map, int64_t x, int64_t y, uint64_t* bar) {
@@ -924,7 +924,7 @@ struct HalfCodes {
                                        int part = 0) {
     const int tid = threadIdx.x + part * (KOuter ? BLOCKS : RUNS) * THREADS;  // the part's first item
     if constexpr (!KOuter) {
-      row = tid % Rows;  // a quarter warp: eight rows, distinct banks at the 144-byte pitch
+      row = tid % Rows;  // a quarter warp: eight rows, whose same chunk the swizzle puts in eight bank groups
 #pragma unroll
       for (int i = 0; i < RUNS; ++i) {
         const int k = h * HALF_K + ((tid + i * THREADS) / Rows) * 16;
