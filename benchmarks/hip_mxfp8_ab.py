@@ -175,6 +175,11 @@ def wgrad_operands(case, kind):
     return splits, dy, x, operands, dy_q.padded_offsets[1:]
 
 
+def wgrad_runner(mod, operands, ends, dst):
+    """One variant's wgrad kernel on wgrad_operands' quantized operands, into dst."""
+    return lambda: mod.wgrad_gemm(*operands, ends, dst, False, True)
+
+
 def wgrad_row(case, kind):
     """Public API wgrad (bf16 dy and x quantized per call) against torch._grouped_mm's."""
     G, M, N, K = case.groups, case.m, case.n, case.k
@@ -190,7 +195,7 @@ def wgrad_row(case, kind):
     sq, same, base = {}, {}, None
     for name, mod in mods.items():
         dst = torch.empty(G, N, K, device=dev, dtype=torch.bfloat16)
-        fns[name] = lambda mod=mod, dst=dst: mod.wgrad_gemm(*operands, ends, dst, False, True)
+        fns[name] = wgrad_runner(mod, operands, ends, dst)
         dst.fill_(float("nan"))
         fns[name]()
         sq[name] = round(sqnr_db(dst.float(), want), 2)
@@ -225,10 +230,7 @@ if args.ncu:
     else:
         d = prepare(args.ncu, cases[0], kind)
     for name, mod in mods.items():
-        if args.ncu == "wgrad":
-            f = lambda mod=mod: mod.wgrad_gemm(*operands, ends, dst, False, True)  # noqa: E731
-        else:
-            f = runner(name, mod, d, args.ncu)
+        f = wgrad_runner(mod, operands, ends, dst) if args.ncu == "wgrad" else runner(name, mod, d, args.ncu)
         for _ in range(3):
             f()
     torch.cuda.synchronize()
