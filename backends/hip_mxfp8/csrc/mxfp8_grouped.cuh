@@ -188,14 +188,31 @@ struct OutStore<uint16_t> {
   __device__ __forceinline__ static float load(const uint16_t* p) {
     return __uint_as_float(static_cast<uint32_t>(*p) << 16);
   }
-  __device__ __forceinline__ static void store(uint16_t* p, float v) { *p = bf16_bits(v); }
+  __device__ __forceinline__ static void store(uint16_t* p, float v) {
+#if GG_MXFP8_MMA_SYNC
+    uint16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(v));
+    *p = h;
+#else
+    *p = bf16_bits(v);
+#endif
+  }
   // Two adjacent elements, 4-byte aligned.
   __device__ __forceinline__ static float2 load2(const uint16_t* p) {
     const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   }
+  // The pair rounds in one cvt.rn.bf16x2.f32 where mma.sync builds run (sm_89+): bf16_bits'
+  // integer rounding, about ten instructions a value, was most of a wgrad tile's epilogue by
+  // its SASS (a NaN comes out as the hardware's canonical NaN instead of 0x7fc0).
   __device__ __forceinline__ static void store2(uint16_t* p, float v0, float v1) {
+#if GG_MXFP8_MMA_SYNC
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(v1), "f"(v0));  // v1 -> the upper half
+    *reinterpret_cast<uint32_t*>(p) = w;
+#else
     *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(bf16_bits(v0)) | static_cast<uint32_t>(bf16_bits(v1)) << 16;
+#endif
   }
 };
 
