@@ -309,7 +309,7 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         # On both paths each E4M3 fragment register is converted once (two F2FP) and feeds
         # every f16 MMA of the warp tile: per MX block 16 A and 8 B registers, 32 HMMA. Per
         # MMA, as the microbenchmark's lone instruction is, it would be 12 F2FP for every 2.
-        assert len(re.findall(r"\bF2FP\b", sass)) * 2 == len(re.findall(r"\bHMMA\b", sass)) * 3
+        assert len(re.findall(r"\bF2FP\.F16\.E4M3\b", sass)) * 2 == len(re.findall(r"\bHMMA\b", sass)) * 3
         # The prescaled path multiplies each converted pair by its relative scale once.
         assert "HMUL2" in sass
         # Fragments come from shared memory by ldmatrix (one a row fragment, one for two
