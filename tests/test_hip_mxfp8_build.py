@@ -252,6 +252,20 @@ _CUOBJDUMP = shutil.which("cuobjdump") or next(
 )
 
 
+def _spills_by_kernel(ptxas_log: str) -> dict[str, int]:
+    """Bytes of spill stores per entry function, from ``ptxas -v``'s log."""
+    spills, name = {}, None
+    for line in ptxas_log.splitlines():
+        entry = re.search(r"entry function '(\w+)'", line)
+        if entry:
+            name = entry.group(1)
+        stores = re.search(r"(\d+) bytes spill stores", line)
+        if stores and name:
+            spills[name] = int(stores.group(1))
+            name = None
+    return spills
+
+
 @pytest.mark.skipif(not (_NVCC and _CUOBJDUMP), reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize(
     ("target", "defines", "instruction"),
@@ -288,13 +302,21 @@ def test_kernel_compiles_without_spills(tmp_path, target, defines, instruction):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert compiled.returncode == 0, compiled.stderr
-    # The eight GEMM kernels and row_ranges_kernel.
-    assert compiled.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 9, compiled.stderr
+    # The rows kernels and row_ranges_kernel keep every value in registers. The wgrad kernels
+    # run two blocks a SM, at 128 registers a thread, and spill a few hundred bytes
+    # (loop-invariant loader state, reloaded from L1): two blocks measured 1-13 % faster on
+    # seven of the nine cases on an H100 despite them (docs/performance.md).
+    spills = _spills_by_kernel(compiled.stderr)
+    assert len(spills) == 9, compiled.stderr
+    for name, spilled in spills.items():
+        assert spilled <= (512 if "wgrad_kernel" in name else 0), (name, spilled)
     sass = subprocess.run(
         [_CUOBJDUMP, "--dump-sass", str(tmp_path / "unit.o")], capture_output=True, text=True, check=True
     ).stdout
     assert re.search(instruction, sass)
-    assert not re.search(r"\b(LDL|STL)\b", sass)
+    for function in re.split(r"\bFunction : ", sass)[1:]:
+        if "wgrad_kernel" not in function.split("\n", 1)[0]:
+            assert not re.search(r"\b(LDL|STL)\b", function), function.split("\n", 1)[0]
     if target == "sm_90a" and not defines:
         # Two halves of a stage, four k16 steps each, in each of the eight kernels: 256 columns
         # for fwd / dgrad, 128 for wgrad; ptxas did not have to serialize them (it warns when

@@ -78,10 +78,11 @@ void check_ends(const torch::Tensor& ends, int64_t groups, const char* name) {
 bool wgmma_launch() { return gg_mxfp8::WGMMA_BUILD && at::cuda::getCurrentDeviceProperties()->major == 9; }
 
 // Dynamic shared memory of a launch on the current device: sm_90 runs the prescaled path on
-// wgmma (built for sm_90a), which needs its f16 buffers; tiles of `Halves` column halves.
-template <int Halves>
+// wgmma (built for sm_90a), which needs its f16 buffers; tiles of `Halves` column halves,
+// `PerSM` blocks a SM.
+template <int Halves, int PerSM>
 int launch_smem(int kouter_operands) {
-  return gg_mxfp8::smem_bytes<Halves>(kouter_operands, wgmma_launch());
+  return gg_mxfp8::SmemPlan<Halves, PerSM>::bytes(kouter_operands, wgmma_launch());
 }
 
 // The wgmma path's TMA view of an operand's codes: lines of op.ld bytes, boxes of BK bytes x
@@ -150,7 +151,7 @@ void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand
                  const uint16_t* b_ranges, OutT* out, const gg_mxfp8::TensorMap& map_a,
                  const gg_mxfp8::TensorMap& map_b) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
-  const int smem = launch_smem<gg_mxfp8::ROWS_HALVES>(BKOuter ? 1 : 0);
+  const int smem = launch_smem<gg_mxfp8::ROWS_HALVES, 1>(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
                                                     groups, ncols, kblocks, a_ranges, b_ranges, out, map_a, map_b);
@@ -161,7 +162,7 @@ void launch_wgrad(dim3 grid, cudaStream_t stream, const Operand& a, const Operan
                   int nrows, int ncols, const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* out,
                   bool accumulate, const gg_mxfp8::TensorMap& map_a, const gg_mxfp8::TensorMap& map_b) {
   const auto kernel = gg_mxfp8::wgrad_kernel<OutT, KOuter>;
-  const int smem = launch_smem<gg_mxfp8::WGRAD_HALVES>(KOuter ? 2 : 0);
+  const int smem = launch_smem<gg_mxfp8::WGRAD_HALVES, gg_mxfp8::WGRAD_PER_SM>(KOuter ? 2 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, pad_ends.data_ptr<int32_t>(), nrows, ncols, a_ranges,
                                                     b_ranges, out, accumulate, map_a, map_b);

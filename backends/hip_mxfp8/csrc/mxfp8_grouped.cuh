@@ -113,9 +113,12 @@ constexpr int F16_A = BM * SWIZZLE_ROW;                 // A's f16 half-stage (B
 // slower on most cases and spilled registers (docs/performance.md, sixteenth session).
 constexpr int ROWS_HALVES = WGMMA_BUILD ? 2 : 1;
 constexpr int WGRAD_HALVES = 1;
-// Code stages of the wgmma path: fewer for the wider tile, whose B stages are twice the size.
-template <int Halves>
-constexpr int WG_STAGES_OF = Halves == 1 ? STAGES : 2;
+// Blocks a SM of a wgrad launch. A wgrad tile is short (a group's tokens: one stage for 128),
+// so a block spends most of its time waiting in turn on its scale ranges, its copies and its
+// stores; with one block a SM nothing ran under those waits (H100 profile: tensor pipe 8.5 %
+// busy, 0.5 eligible warps a scheduler). Two blocks take at most 128 registers a thread and
+// half the shared memory each (SmemPlan).
+constexpr int WGRAD_PER_SM = 2;
 
 static_assert(BM == BN && BK == BM, "one square transpose serves both operands");
 static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
@@ -249,17 +252,28 @@ static_assert(sizeof(WgStage<1>) % 1024 == 0 && sizeof(WgStage<2>) % 1024 == 0, 
 // Byte offset of line l's byte `byte` in a swizzled stage.
 __device__ __forceinline__ int swizzled(int l, int byte) { return l * BK + (((byte >> 4) ^ (l & 7)) << 4) + (byte & 15); }
 
-// Dynamic shared memory of a launch, shared by a block's two paths: the per-block path's
-// stages, then one transpose buffer per k-outer operand; the wgmma path's (`wgmma`: the device
-// is sm_90 and the build has that path) stages and f16 buffers (two of A and B), aligned to
-// the swizzle's 1024 bytes, for tiles of `Halves` column halves.
-template <int Halves>
-constexpr int smem_bytes(int kouter_operands, bool wgmma) {
-  const int per_block = STAGES * static_cast<int>(sizeof(Stage)) + kouter_operands * TILE_BYTES;
-  const int wg =
-      WG_STAGES_OF<Halves> * static_cast<int>(sizeof(WgStage<Halves>)) + SWIZZLE_ATOM + 2 * (1 + Halves) * F16_A;
-  return wgmma && wg > per_block ? wg : per_block;
-}
+// The dynamic shared memory of a block of `Halves` column halves, `PerSM` blocks a SM, which its
+// two paths share: the per-block path's code stages, then a transpose buffer per k-outer
+// operand; or the wgmma path's (`wgmma`: the device is sm_90 and the build has that path) code
+// stages and f16 buffers (each a half-stage of A and of B), aligned to the swizzle's 1024
+// bytes. Two blocks a SM keep two code stages on either path, one f16 buffer, and one
+// transpose buffer (B's tile is transposed into the stage's A codes once those have left).
+template <int Halves, int PerSM>
+struct SmemPlan {
+  static constexpr int PB_STAGES = PerSM == 1 ? STAGES : 2;
+  // The wider tile keeps two: its B stages are twice the size.
+  static constexpr int WG_STAGES = PerSM == 1 && Halves == 1 ? STAGES : 2;
+  static constexpr int F16_BUFS = PerSM == 1 ? 2 : 1;
+  static constexpr bool ONE_WORK = PerSM > 1;
+  static constexpr int bytes(int kouter_operands, bool wgmma) {
+    const int work = ONE_WORK && kouter_operands > 1 ? 1 : kouter_operands;
+    const int per_block = PB_STAGES * static_cast<int>(sizeof(Stage)) + work * TILE_BYTES;
+    const int wg = WG_STAGES * static_cast<int>(sizeof(WgStage<Halves>)) + SWIZZLE_ATOM + F16_BUFS * (1 + Halves) * F16_A;
+    return wgmma && wg > per_block ? wg : per_block;
+  }
+};
+// sm_90: 228 KB a SM, less 1 KB reserved a block and the blocks' static buffers (under 2 KB).
+static_assert(2 * (SmemPlan<WGRAD_HALVES, 2>::bytes(2, true) + 3 * 1024) <= 228 * 1024, "two wgrad blocks fit a SM");
 
 // 16 bytes global -> shared, zeros where `valid` is false (`src` is then never read, and may
 // point outside the operand). Asynchronous (cp.async, zero fill by source size 0, which
@@ -880,32 +894,34 @@ __device__ __forceinline__ void apply_row_scales(Acc& acc, const int32_t* ref_a,
 // +b_rows) (at most BN), on one path (see the header; `ref_a`, `ref_b`: the rows' largest
 // scales): a STAGES-deep pipeline of asynchronous copies, one barrier a stage (two with a
 // k-outer operand, whose tile is transposed before the math).
-template <bool AKOuter, bool BKOuter, bool Prescaled>
+template <bool AKOuter, bool BKOuter, bool Prescaled, int PerSM>
 __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                               int64_t kb_end, const int32_t* ref_a, const int32_t* ref_b,
                                               float (&acc)[FRAG_M][FRAG_N][4]) {
+  using Plan = SmemPlan<1, PerSM>;
+  constexpr int PB_STAGES = Plan::PB_STAGES;
   Stage* stages = reinterpret_cast<Stage*>(smem);
-  uint8_t* work = smem + STAGES * sizeof(Stage);  // transposed k-outer tiles: A's, then B's
-  uint8_t* work_a = work;
-  uint8_t* work_b = work + (AKOuter ? TILE_BYTES : 0);
+  uint8_t* work = smem + PB_STAGES * sizeof(Stage);  // transposed k-outer tiles: A's, then B's
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
   TileLoader<AKOuter, BKOuter, Stage> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
-  loader.template prologue<STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, Prescaled);
+  loader.template prologue<PB_STAGES - 1>(stages, kb_begin, tiles, ref_a, ref_b, Prescaled);
   for (int64_t i = 0; i < tiles; ++i) {
-    copy_wait<STAGES - 2>();
+    copy_wait<PB_STAGES - 2>();
     __syncthreads();  // stage i has landed for every thread; stage i - 1 is no longer read
-    const int64_t next = i + STAGES - 1;
-    Stage& upcoming = stages[next % STAGES];
+    const int64_t next = i + PB_STAGES - 1;
+    Stage& upcoming = stages[next % PB_STAGES];
     if (next < tiles) loader.issue(kb_begin + next * KB_PER_TILE, upcoming);
     copy_commit();
-    Stage& current = stages[i % STAGES];
+    Stage& current = stages[i % PB_STAGES];
+    uint8_t* work_b = !AKOuter ? work : Plan::ONE_WORK ? current.a : work + TILE_BYTES;
     if (AKOuter || BKOuter) {
-      if (AKOuter) transpose_tile(current.a, work_a);
+      if (AKOuter) transpose_tile(current.a, work);
+      if (AKOuter && BKOuter && Plan::ONE_WORK) __syncthreads();  // A's codes have left current.a
       if (BKOuter) transpose_tile(current.b, work_b);
       __syncthreads();
     }
-    stage_math<Prescaled>(AKOuter ? work_a : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
+    stage_math<Prescaled>(AKOuter ? work : current.a, BKOuter ? work_b : current.b, current.sa, current.sb, acc);
     if (next < tiles) loader.store_scales(upcoming, Prescaled);  // the loads had the math to arrive
   }
   copy_wait<0>();
@@ -1022,16 +1038,17 @@ __device__ __forceinline__ void zero_past(uint8_t* codes, int steps) {
 // shared memory that two warpgroups multiply asynchronously (m64n128k16 or m64n256k16;
 // warpgroup w: rows 64 w + [0, 64), every column) while the threads convert the next half.
 // acc[h] holds columns h BN + [0, BN) in for_each_acc's wgmma layout.
-template <bool AKOuter, bool BKOuter, int Halves>
+template <bool AKOuter, bool BKOuter, int Halves, int PerSM>
 __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                                const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                                int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
   using StageT = WgStage<Halves>;
-  constexpr int WG_STAGES = WG_STAGES_OF<Halves>;
+  using Plan = SmemPlan<Halves, PerSM>;
+  constexpr int WG_STAGES = Plan::WG_STAGES;
   constexpr int F16_B = Halves * F16_A;
   const uint32_t offset = smem_addr(smem) % SWIZZLE_ATOM;
   StageT* stages = reinterpret_cast<StageT*>(smem + (offset ? SWIZZLE_ATOM - offset : 0));
-  uint8_t* f16 = reinterpret_cast<uint8_t*>(stages + WG_STAGES);  // buffer h: A, then B
+  uint8_t* f16 = reinterpret_cast<uint8_t*>(stages + WG_STAGES);  // buffer h (of F16_BUFS): A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int warpgroup = threadIdx.x / 128;
@@ -1064,14 +1081,15 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
     if (next < tiles) loader.template issue<true>(kb_begin + next * KB_PER_TILE, upcoming, bars + next % WG_STAGES);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint8_t* fa = f16 + h * (F16_A + F16_B);
+      const int buf = Plan::F16_BUFS == 2 ? h : 0;
+      uint8_t* fa = f16 + buf * (F16_A + F16_B);
       uint8_t* fb = fa + F16_A;
-      const uint32_t fa_at = f16_at + h * (F16_A + F16_B), fb_at = fa_at + F16_A;
+      const uint32_t fa_at = f16_at + buf * (F16_A + F16_B), fb_at = fa_at + F16_A;
       HalfCodes<AKOuter, BM> ca;
       HalfCodes<BKOuter, Halves * BN, Halves> cb;  // B's rows in Halves rounds: fewer live registers
       ca.load(current.a, current.sa, h);
       cb.load(current.b, current.sb, h, 0);
-      if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
+      if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read the buffer
       ca.store(fa);
       cb.store(fb, 0);
 #pragma unroll
@@ -1086,7 +1104,7 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
       for (int s = 0; s < HALF_K / 16; ++s)
         wgmma_f16(acc, swizzled_desc(fa_at + warpgroup * WARP_M * SWIZZLE_ROW + s * 32), swizzled_desc(fb_at + s * 32));
       wgmma_commit();
-      wgmma_wait<1>();  // the other buffer's MMAs are done
+      wgmma_wait<Plan::F16_BUFS - 1>();  // the other buffer's MMAs are done (with one, all are)
     }
     if (next < tiles) loader.store_scales(upcoming, true);
   }
@@ -1103,7 +1121,7 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
 // accumulators of the BN columns from c0: on the wgmma path where the tile's scale ranges
 // allow it (every half at once), else in passes of the per-block (or mma.sync prescaled) path,
 // one per column half.
-template <bool AKOuter, bool BKOuter, int Halves, typename Store>
+template <bool AKOuter, bool BKOuter, int Halves, int PerSM, typename Store>
 __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
                                              int64_t kb_end, RowRanges ranges, Store store) {
@@ -1114,7 +1132,7 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
   if (prescaled) {
 #pragma unroll
     for (int h = 0; h < Halves; ++h) for_each_acc<false>(acc[h], [](float& v, int, int) { v = 0.0f; });
-    wgmma_pipeline<AKOuter, BKOuter, Halves>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
+    wgmma_pipeline<AKOuter, BKOuter, Halves, PerSM>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
 #pragma unroll
     for (int h = 0; h < Halves; ++h) store(acc[h], true, h * BN);
     return;
@@ -1129,10 +1147,10 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
       const int32_t* ref_b = ref + BM + h * BN;
       constexpr bool MMA_PRESCALED = PRESCALE && !GG_MXFP8_WGMMA_HERE;  // the prescaled path on mma.sync
       if (MMA_PRESCALED && prescaled)
-        tile_pipeline<AKOuter, BKOuter, MMA_PRESCALED>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin,
+        tile_pipeline<AKOuter, BKOuter, MMA_PRESCALED, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin,
                                                        kb_end, ref, ref_b, acc[0]);
       else
-        tile_pipeline<AKOuter, BKOuter, false>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
+        tile_pipeline<AKOuter, BKOuter, false, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
                                                ref, ref_b, acc[0]);
     }
     store(acc[0], false, h * BN);
@@ -1202,7 +1220,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // a_ranges: A's rows (row_ranges_kernel over A); b_ranges: every group's B rows; or null.
   const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
-  tile_product<false, BKOuter, ROWS_HALVES>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
+  tile_product<false, BKOuter, ROWS_HALVES, 1>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
                                [&](const Acc& acc, bool wg, int c0) {
                                  store_tile(acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
                                });
@@ -1213,7 +1231,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 // row tile, group); a column tile is TILE_N wide. A group without tokens writes zeros (or leaves
 // out untouched).
 template <typename OutT, bool KOuter>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(THREADS, WGRAD_PER_SM)
     wgrad_kernel(Operand a, Operand b, const int32_t* __restrict__ pad_ends, int nrows, int ncols,
                  const uint16_t* a_ranges, const uint16_t* b_ranges, OutT* __restrict__ out, bool accumulate,
                  const GG_GRID_CONSTANT TensorMap map_a, const GG_GRID_CONSTANT TensorMap map_b) {
@@ -1232,7 +1250,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const RowRanges ranges{a_ranges ? a_ranges + static_cast<int64_t>(g) * nrows + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
-  tile_product<KOuter, KOuter, WGRAD_HALVES>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
+  tile_product<KOuter, KOuter, WGRAD_HALVES, WGRAD_PER_SM>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
                                [&](const Acc& acc, bool wg, int c0) {
                                  store_tile(acc, dst + c0, ncols, rows, cols - c0, accumulate, wg);
                                });
