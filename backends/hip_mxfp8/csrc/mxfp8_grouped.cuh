@@ -100,7 +100,8 @@ constexpr int MAX_SPREAD = 15;       // binades below a row's largest scale the 
 constexpr uint32_t NO_SCALE = 0x100; // a scale slot outside the operand (its codes are zeros)
 
 // wgmma (sm_90a) reads the prescaled f16 operands from shared memory, half a stage at a time:
-// 64 contraction steps = one 128-byte row of the 128-byte swizzle, double-buffered.
+// 64 contraction steps = one 128-byte row of the 128-byte swizzle (double-buffered at one block
+// a SM; SmemPlan).
 constexpr bool WGMMA_BUILD = PRESCALE && GG_MXFP8_WGMMA;
 constexpr int HALF_K = BK / 2;
 constexpr int SWIZZLE_ROW = HALF_K * 2;                 // bytes: 64 f16
@@ -273,7 +274,8 @@ struct SmemPlan {
   }
 };
 // sm_90: 228 KB a SM, less 1 KB reserved a block and the blocks' static buffers (under 2 KB).
-static_assert(2 * (SmemPlan<WGRAD_HALVES, 2>::bytes(2, true) + 3 * 1024) <= 228 * 1024, "two wgrad blocks fit a SM");
+static_assert(WGRAD_PER_SM * (SmemPlan<WGRAD_HALVES, WGRAD_PER_SM>::bytes(2, true) + 3 * 1024) <= 228 * 1024,
+              "WGRAD_PER_SM wgrad blocks fit a SM");
 
 // 16 bytes global -> shared, zeros where `valid` is false (`src` is then never read, and may
 // point outside the operand). Asynchronous (cp.async, zero fill by source size 0, which
@@ -892,7 +894,7 @@ __device__ __forceinline__ void apply_row_scales(Acc& acc, const int32_t* ref_a,
 
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
 // +b_rows) (at most BN), on one path (see the header; `ref_a`, `ref_b`: the rows' largest
-// scales): a STAGES-deep pipeline of asynchronous copies, one barrier a stage (two with a
+// scales): a pipeline of SmemPlan's PB_STAGES asynchronous copies, one barrier a stage (two with a
 // k-outer operand, whose tile is transposed before the math).
 template <bool AKOuter, bool BKOuter, bool Prescaled, int PerSM>
 __device__ __forceinline__ void tile_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
@@ -1033,10 +1035,11 @@ __device__ __forceinline__ void zero_past(uint8_t* codes, int steps) {
   }
 }
 
-// The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (WG_STAGES_OF deep,
-// B's Halves BN rows), each stage converted, half by half, into double-buffered f16 tiles in
+// The prescaled path on wgmma: a pipeline of code stages like tile_pipeline's (SmemPlan's
+// WG_STAGES deep, B's Halves BN rows), each stage converted, half by half, into f16 tiles in
 // shared memory that two warpgroups multiply asynchronously (m64n128k16 or m64n256k16;
-// warpgroup w: rows 64 w + [0, 64), every column) while the threads convert the next half.
+// warpgroup w: rows 64 w + [0, 64), every column): with two f16 buffers (one block a SM) while
+// the threads convert the next half, with one (two blocks a SM) before they do.
 // acc[h] holds columns h BN + [0, BN) in for_each_acc's wgmma layout.
 template <bool AKOuter, bool BKOuter, int Halves, int PerSM>
 __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
