@@ -10,6 +10,7 @@ the public call (activations quantized per call, device splits).
 python benchmarks/hip_mxfp8_ab.py --variants new=backends/hip_mxfp8/csrc --cases gptoss120b_gateup \
     --ops fwd,dgrad,wgrad --api --out ab.json
 --ncu OP (fwd, dgrad or wgrad): run each variant's kernel a few times on the first case only (for ncu -k).
+--build-only: build the variants and exit (a later run loads them at once), e.g. while GPU tests run.
 """
 
 import argparse
@@ -40,6 +41,7 @@ p.add_argument("--ncu", default=None)
 p.add_argument("--out", default=None)
 p.add_argument("--api", action="store_true")
 p.add_argument("--scale", type=float, default=1.0)
+p.add_argument("--build-only", action="store_true")
 args = p.parse_args()
 
 dev = torch.device("cuda")
@@ -86,6 +88,8 @@ with ThreadPoolExecutor(len(specs) + 1) as pool:
     if pkg is not None:
         print("package build:", pkg.result(), flush=True)
 print("built", [sp[0] for sp in specs], f"{time.time() - t0:.1f}s", flush=True)
+if args.build_only:
+    sys.exit(0)
 mods = {sp[0]: m for sp, m in zip(specs, built, strict=False)}
 mods.update({name: mods[src] for name, src in aliases.items()})
 
