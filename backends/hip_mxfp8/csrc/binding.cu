@@ -151,7 +151,7 @@ void launch_rows(dim3 grid, cudaStream_t stream, const Operand& a, const Operand
                  const uint16_t* b_ranges, OutT* out, const gg_mxfp8::TensorMap& map_a,
                  const gg_mxfp8::TensorMap& map_b) {
   const auto kernel = gg_mxfp8::rows_kernel<OutT, BKOuter>;
-  const int smem = launch_smem<gg_mxfp8::ROWS_HALVES, 1>(BKOuter ? 1 : 0);
+  const int smem = launch_smem<gg_mxfp8::ROWS_HALVES, gg_mxfp8::ROWS_PER_SM>(BKOuter ? 1 : 0);
   allow_smem(kernel, smem);
   kernel<<<grid, gg_mxfp8::THREADS, smem, stream>>>(a, b, row_ends.data_ptr<int32_t>(), tile_ends.data_ptr<int32_t>(),
                                                     groups, ncols, kblocks, a_ranges, b_ranges, out, map_a, map_b);

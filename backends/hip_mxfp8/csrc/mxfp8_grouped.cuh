@@ -120,6 +120,9 @@ constexpr int WGRAD_HALVES = 1;
 // busy, 0.5 eligible warps a scheduler). Two blocks take at most 128 registers a thread and
 // half the shared memory each (SmemPlan).
 constexpr int WGRAD_PER_SM = 2;
+// Blocks a SM of a fwd / dgrad launch: its tiles are long along the contraction and take
+// every register and most of the shared memory (SmemPlan).
+constexpr int ROWS_PER_SM = 1;
 
 static_assert(BM == BN && BK == BM, "one square transpose serves both operands");
 static_assert(BM * BK / 16 % THREADS == 0 && BM * KB_PER_TILE % THREADS == 0, "whole work items per thread");
@@ -1196,7 +1199,7 @@ __device__ __forceinline__ void store_tile(const Acc& acc, OutT* out, int64_t ld
 // group's B in L2 (blocks past the last row tile exit). Everything is read on the device: no
 // host sync, graph-capturable.
 template <typename OutT, bool BKOuter>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(THREADS, ROWS_PER_SM)
     rows_kernel(Operand a, Operand b, const int32_t* __restrict__ row_ends, const int32_t* __restrict__ tile_ends,
                 int groups, int ncols, int64_t kblocks, const uint16_t* a_ranges, const uint16_t* b_ranges,
                 OutT* __restrict__ out, const GG_GRID_CONSTANT TensorMap map_a,
@@ -1223,7 +1226,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // a_ranges: A's rows (row_ranges_kernel over A); b_ranges: every group's B rows; or null.
   const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
-  tile_product<false, BKOuter, ROWS_HALVES, 1>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
+  tile_product<false, BKOuter, ROWS_HALVES, ROWS_PER_SM>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
                                [&](const Acc& acc, bool wg, int c0) {
                                  store_tile(acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
                                });
