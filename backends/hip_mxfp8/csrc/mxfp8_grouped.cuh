@@ -1093,11 +1093,21 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
       const uint32_t fa_at = f16_at + buf * (F16_A + F16_B), fb_at = fa_at + F16_A;
       HalfCodes<AKOuter, BM> ca;
       HalfCodes<BKOuter, Halves * BN, Halves> cb;  // B's rows in Halves rounds: fewer live registers
-      ca.load(current.a, current.sa, h);
-      cb.load(current.b, current.sb, h, 0);
-      if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read the buffer
-      ca.store(fa);
-      cb.store(fb, 0);
+      if constexpr (Plan::F16_BUFS == 1) {
+        // One buffer: every MMA has retired (waited below), so nothing is left to overlap the
+        // loads with, and converting one operand at a time holds fewer registers.
+        if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read the buffer
+        ca.load(current.a, current.sa, h);
+        ca.store(fa);
+        cb.load(current.b, current.sb, h, 0);
+        cb.store(fb, 0);
+      } else {
+        ca.load(current.a, current.sa, h);
+        cb.load(current.b, current.sb, h, 0);
+        if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
+        ca.store(fa);
+        cb.store(fb, 0);
+      }
 #pragma unroll
       for (int part = 1; part < Halves; ++part) {
         cb.load(current.b, current.sb, h, part);
@@ -1122,11 +1132,43 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
 }
 #endif  // GG_MXFP8_WGMMA_HERE
 
+// Pass h of the per-block (or mma.sync prescaled) path over B rows b_row0 + h BN + [0, rows)
+// (see tile_product), into `acc`, then handed to store.
+template <bool AKOuter, bool BKOuter, int PerSM, typename Store>
+__device__ __forceinline__ void column_pass(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                            const Operand& b, int64_t b_row0, int h, int rows, int64_t kb_begin,
+                                            int64_t kb_end, bool prescaled, const int32_t* ref, Acc& acc,
+                                            Store& store) {
+  for_each_acc<false>(acc, [](float& v, int, int) { v = 0.0f; });
+  if (kb_end > kb_begin) {
+    const int32_t* ref_b = ref + BM + h * BN;
+    constexpr bool MMA_PRESCALED = PRESCALE && !GG_MXFP8_WGMMA_HERE;  // the prescaled path on mma.sync
+    if (MMA_PRESCALED && prescaled)
+      tile_pipeline<AKOuter, BKOuter, MMA_PRESCALED, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows,
+                                                            kb_begin, kb_end, ref, ref_b, acc);
+    else
+      tile_pipeline<AKOuter, BKOuter, false, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin,
+                                                    kb_end, ref, ref_b, acc);
+  }
+  store(acc, false, h * BN);
+}
+
+// column_pass as a call of its own, with accumulators of its own: inlined at two blocks a SM
+// (128 registers), the per-block path made ptxas spill the wgmma path's state too (388 bytes
+// spilled against 80).
+template <bool AKOuter, bool BKOuter, int PerSM, typename Store>
+__device__ __noinline__ void column_pass_call(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                              const Operand& b, int64_t b_row0, int h, int rows, int64_t kb_begin,
+                                              int64_t kb_end, bool prescaled, const int32_t* ref, Store store) {
+  Acc acc;
+  column_pass<AKOuter, BKOuter, PerSM>(smem, a, a_row0, a_rows, b, b_row0, h, rows, kb_begin, kb_end, prescaled, ref,
+                                       acc, store);
+}
+
 // The product of the block's tile (A rows [a_row0, +a_rows) x B rows [b_row0, +b_rows), at most
 // Halves BN) over MX blocks [kb_begin, kb_end), handed to store(acc, wg_layout, c0) as
 // accumulators of the BN columns from c0: on the wgmma path where the tile's scale ranges
-// allow it (every half at once), else in passes of the per-block (or mma.sync prescaled) path,
-// one per column half.
+// allow it (every half at once), else in column passes, one per column half.
 template <bool AKOuter, bool BKOuter, int Halves, int PerSM, typename Store>
 __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
@@ -1148,18 +1190,12 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
   for (int h = 0; h < Halves; ++h) {
     const int rows = min(BN, b_rows - h * BN);
     if (h > 0 && rows <= 0) break;
-    for_each_acc<false>(acc[0], [](float& v, int, int) { v = 0.0f; });
-    if (kb_end > kb_begin) {
-      const int32_t* ref_b = ref + BM + h * BN;
-      constexpr bool MMA_PRESCALED = PRESCALE && !GG_MXFP8_WGMMA_HERE;  // the prescaled path on mma.sync
-      if (MMA_PRESCALED && prescaled)
-        tile_pipeline<AKOuter, BKOuter, MMA_PRESCALED, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin,
-                                                       kb_end, ref, ref_b, acc[0]);
-      else
-        tile_pipeline<AKOuter, BKOuter, false, PerSM>(smem, a, a_row0, a_rows, b, b_row0 + h * BN, rows, kb_begin, kb_end,
-                                               ref, ref_b, acc[0]);
-    }
-    store(acc[0], false, h * BN);
+    if constexpr (PerSM > 1)
+      column_pass_call<AKOuter, BKOuter, PerSM>(smem, a, a_row0, a_rows, b, b_row0, h, rows, kb_begin, kb_end,
+                                                prescaled, ref, store);
+    else
+      column_pass<AKOuter, BKOuter, PerSM>(smem, a, a_row0, a_rows, b, b_row0, h, rows, kb_begin, kb_end, prescaled,
+                                           ref, acc[0], store);
   }
 }
 
