@@ -78,8 +78,9 @@ def _splits(kind, groups, m, gen):
         ("skewed", 5, 777, 200, 136),  # nothing a multiple of 32 or of the 128-row tile
         ("empty", 7, 97, 48, 80),
         ("skewed", 3, 250, 45, 96),  # an odd number of output columns (fwd): no paired stores
+        ("skewed", 4, 300, 45, 75),  # output rows of every op out of 16-byte alignment: no 16-byte runs
     ],
-    ids=["balanced", "skewed", "empty_groups", "g1", "unaligned", "small", "odd_columns"],
+    ids=["balanced", "skewed", "empty_groups", "g1", "unaligned", "small", "odd_columns", "odd_rows_every_op"],
 )
 def test_matches_reference(op, rule, kind, groups, m, n, k, gen):
     splits = _splits(kind, groups, m, gen)
@@ -98,9 +99,11 @@ def test_matches_reference(op, rule, kind, groups, m, n, k, gen):
 
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
-def test_bf16_output(op, gen):
-    """bf16 results: the fp32 accumulation rounded once (as close as the reference's own bf16)."""
-    groups, m, n, k = 6, 1500, 320, 448
+@pytest.mark.parametrize(("n", "k"), [(320, 448), (45, 75)], ids=["aligned", "odd_rows"])
+def test_bf16_output(op, n, k, gen):
+    """bf16 results: the fp32 accumulation rounded once (as close as the reference's own bf16),
+    in 16-byte runs or, where out's rows are not 16-byte aligned, element by element."""
+    groups, m = 6, 1500
     splits = gg.skewed_splits(groups, m)
     a, b = _operands(op, groups, m, n, k, gen)
     want = _call(op, a, b, splits, "mxfp8", "reference", out_dtype=torch.float32)
@@ -122,6 +125,22 @@ def test_wgrad_accumulates_into_fp32_main_grad(gen):
     assert sqnr_db(main_grad, before + delta) >= MIN_SQNR
     empty = [g for g, rows in enumerate(splits) if rows == 0]
     assert torch.equal(main_grad[empty], before[empty])
+
+
+def test_wgrad_accumulates_into_bf16_rounding_once(gen):
+    """bf16 added into: the kernel sums in fp32 and rounds once, as close as the reference's own
+    rounding of (before + delta); empty groups stay bit for bit."""
+    groups, m, n, k = 6, 900, 192, 320
+    splits = random_splits(groups, m, empty=2, generator=gen)
+    dy, x = _operands("wgrad", groups, m, n, k, gen)
+    grad = torch.randn(groups, n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    before = grad.clone()
+    want = before.double() + _call("wgrad", dy, x, splits, "mxfp8", "reference", out_dtype=torch.float32).double()
+    got = _call("wgrad", dy, x, splits, "mxfp8", NAME, out=grad, accumulate=True)
+    assert got is grad
+    assert sqnr_db(grad, want) >= sqnr_db(want.to(torch.bfloat16), want) - 1.0
+    empty = [g for g, rows in enumerate(splits) if rows == 0]
+    assert torch.equal(grad[empty], before[empty])
 
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])

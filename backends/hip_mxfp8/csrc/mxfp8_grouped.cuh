@@ -212,14 +212,17 @@ struct OutStore<uint16_t> {
   // The pair rounds in one cvt.rn.bf16x2.f32 where mma.sync builds run (sm_89+): bf16_bits'
   // integer rounding, about ten instructions a value, was most of a wgrad tile's epilogue by
   // its SASS (a NaN comes out as the hardware's canonical NaN instead of 0x7fc0).
-  __device__ __forceinline__ static void store2(uint16_t* p, float v0, float v1) {
+  __device__ __forceinline__ static uint32_t pack2(float v0, float v1) {
 #if GG_MXFP8_MMA_SYNC
     uint32_t w;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(v1), "f"(v0));  // v1 -> the upper half
-    *reinterpret_cast<uint32_t*>(p) = w;
+    return w;
 #else
-    *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(bf16_bits(v0)) | static_cast<uint32_t>(bf16_bits(v1)) << 16;
+    return static_cast<uint32_t>(bf16_bits(v0)) | static_cast<uint32_t>(bf16_bits(v1)) << 16;
 #endif
+  }
+  __device__ __forceinline__ static void store2(uint16_t* p, float v0, float v1) {
+    *reinterpret_cast<uint32_t*>(p) = pack2(v0, v1);
   }
 };
 
@@ -1167,8 +1170,8 @@ __device__ __noinline__ void column_pass_call(uint8_t* smem, const Operand& a, i
 
 // The product of the block's tile (A rows [a_row0, +a_rows) x B rows [b_row0, +b_rows), at most
 // Halves BN) over MX blocks [kb_begin, kb_end), handed to store(acc, wg_layout, c0) as
-// accumulators of the BN columns from c0: on the wgmma path where the tile's scale ranges
-// allow it (every half at once), else in column passes, one per column half.
+// accumulators of the columns from c0: on the wgmma path where the tile's scale ranges allow
+// it (every half at once, a TileAcc), else in column passes, one per column half (an Acc).
 template <bool AKOuter, bool BKOuter, int Halves, int PerSM, typename Store>
 __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
                                              const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
@@ -1181,8 +1184,7 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
 #pragma unroll
     for (int h = 0; h < Halves; ++h) for_each_acc<false>(acc[h], [](float& v, int, int) { v = 0.0f; });
     wgmma_pipeline<AKOuter, BKOuter, Halves, PerSM>(smem, a, a_row0, a_rows, b, b_row0, b_rows, kb_begin, kb_end, ref, acc);
-#pragma unroll
-    for (int h = 0; h < Halves; ++h) store(acc[h], true, h * BN);
+    store(acc, true, 0);
     return;
   }
 #endif
@@ -1199,33 +1201,140 @@ __device__ __forceinline__ void tile_product(uint8_t* smem, const Operand& a, in
   }
 }
 
-// Write (or add into, when `accumulate`) the valid part of the block's tile: rows < rows,
-// columns < cols, at out[r * ldo + c]; `wg_layout` as tile_product returned. Column pairs go
-// out as one store where out's rows keep them aligned (half the store instructions, which a
-// wgrad tile of one group's few tokens spends much of its time on).
-template <typename OutT>
-__device__ __forceinline__ void store_tile(const Acc& acc, OutT* out, int64_t ldo, int rows,
-                                           int cols, bool accumulate, bool wg_layout) {
-  const bool paired = ldo % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(OutT)) == 0;
-  const auto store = [&](float v0, float v1, int r, int c) {
-    if (r >= rows) return;
-    OutT* dst = out + static_cast<int64_t>(r) * ldo + c;
-    if (paired && c + 1 < cols) {
-      if (accumulate) {
-        const float2 old = OutStore<OutT>::load2(dst);
-        v0 += old.x;
-        v1 += old.y;
-      }
-      OutStore<OutT>::store2(dst, v0, v1);
+// The epilogue's staging tile in shared memory: BM rows of H BN values of S (the output's type,
+// or fp32 where the output is bf16 and is added into, which must round once, after the sum).
+// Each 16-byte unit row r holds four accumulator pairs of a fragment row (a 32-byte unit for
+// fp32); units are XOR-swizzled by row so that the fragments' eight rows, and a row's
+// consecutive 16-byte chunks read back, fall in distinct banks.
+template <typename S, int H>
+struct Staging {
+  static constexpr int ROW = H * BN * static_cast<int>(sizeof(S));  // bytes a row
+  static constexpr int UNIT = 8 * static_cast<int>(sizeof(S));  // four pairs of one fragment row
+  static constexpr int PERIOD = 128 / UNIT;                     // rows one 128-byte wavefront spans
+  static constexpr int BYTES = BM * ROW;
+  __device__ __forceinline__ static int offset(int r, int byte) {
+    return r * ROW + ((byte / UNIT) ^ (r % PERIOD)) * UNIT + byte % UNIT;
+  }
+};
+
+// Every SmemPlan's dynamic shared memory holds the larger (fp32) staging tile of its column
+// halves: one on the per-block path, every half on wgmma's.
+static_assert(Staging<float, 1>::BYTES <= SmemPlan<1, 1>::bytes(0, false) &&
+                  Staging<float, 1>::BYTES <= SmemPlan<1, WGRAD_PER_SM>::bytes(0, false) &&
+                  Staging<float, ROWS_HALVES>::BYTES <= SmemPlan<ROWS_HALVES, ROWS_PER_SM>::bytes(0, WGMMA_BUILD),
+              "the staging tile fits every plan");
+
+// Out's value of S written into the staging tile: a pair of bf16 is rounded here (the same
+// conversion OutStore's pair store makes), anything else is kept.
+template <typename S>
+__device__ __forceinline__ void stage_pair(uint8_t* at, float v0, float v1);
+template <>
+__device__ __forceinline__ void stage_pair<float>(uint8_t* at, float v0, float v1) {
+  *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
+}
+template <>
+__device__ __forceinline__ void stage_pair<uint16_t>(uint8_t* at, float v0, float v1) {
+  *reinterpret_cast<uint32_t*>(at) = OutStore<uint16_t>::pack2(v0, v1);
+}
+
+// The staged tile's row r, columns [c, c + E) (E: one 16-byte store of OutT) to dst, or added
+// into it. Whole runs inside out go out as one 16-byte access where out's rows keep them
+// aligned (`vec`), others element by element, bounded by `cols`.
+template <typename OutT, typename S, int H>
+__device__ __forceinline__ void write_run(const uint8_t* staging, int r, int c, OutT* dst, int cols, bool vec,
+                                          bool accumulate) {
+  constexpr int E = 16 / static_cast<int>(sizeof(OutT));
+  constexpr int WORDS = E * static_cast<int>(sizeof(S)) / 16;  // 16-byte loads of the staged run
+  uint4 staged[WORDS];
+#pragma unroll
+  for (int w = 0; w < WORDS; ++w)
+    staged[w] = *reinterpret_cast<const uint4*>(staging + Staging<S, H>::offset(r, c * static_cast<int>(sizeof(S)) + 16 * w));
+  const S* v = reinterpret_cast<const S*>(staged);
+  if constexpr (sizeof(S) == sizeof(OutT)) {  // staged as out's values: bits copied, or added in fp32
+    if (!accumulate && vec && c + E <= cols) {
+      *reinterpret_cast<uint4*>(dst) = staged[0];
       return;
     }
-    if (c < cols) OutStore<OutT>::store(dst, accumulate ? v0 + OutStore<OutT>::load(dst) : v0);
-    if (c + 1 < cols) OutStore<OutT>::store(dst + 1, accumulate ? v1 + OutStore<OutT>::load(dst + 1) : v1);
+  }
+  const auto value = [&](int e) -> float {
+    if constexpr (sizeof(S) == sizeof(OutT) && sizeof(S) == 2) return OutStore<uint16_t>::load(reinterpret_cast<const uint16_t*>(v) + e);
+    else return static_cast<float>(v[e]);
   };
-  if (GG_MXFP8_WGMMA_HERE && wg_layout)
-    for_each_acc_pair<true>(acc, store);
+  if (vec && c + E <= cols) {  // one 16-byte store (after one 16-byte load when added into)
+    OutT old[E], res[E];
+    if (accumulate) *reinterpret_cast<uint4*>(old) = *reinterpret_cast<const uint4*>(dst);
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+      float v0 = value(e), v1 = value(e + 1);
+      if (accumulate) {
+        const float2 o = OutStore<OutT>::load2(old + e);
+        v0 += o.x;
+        v1 += o.y;
+      }
+      OutStore<OutT>::store2(res + e, v0, v1);
+    }
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(res);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (c + e >= cols) break;
+    if constexpr (sizeof(S) == sizeof(OutT) && sizeof(S) == 2) {
+      if (!accumulate) {
+        dst[e] = reinterpret_cast<const uint16_t*>(v)[e];  // the staged bits, already rounded
+        continue;
+      }
+    }
+    OutStore<OutT>::store(dst + e, accumulate ? value(e) + OutStore<OutT>::load(dst + e) : value(e));
+  }
+}
+
+// Write (or add into, when `accumulate`) the valid part of the block's tile of H column halves
+// (acc[h]: columns h BN + [0, BN)): rows < rows, columns < cols, at out[r * ldo + c];
+// `wg_layout` as tile_product returned. The accumulators
+// go to a staging tile in shared memory first (free once the tile's math is done), then out
+// row by row in 16-byte runs: written straight from the fragments, each warp store touched
+// eight rows 16 bytes at a time, and a wgrad tile of one stage spent a third of its stall
+// samples waiting on those stores (H100 source counters, docs/performance.md).
+template <typename OutT, typename S, int H>
+__device__ __forceinline__ void store_staged(uint8_t* staging, const TileAcc<H>& acc, OutT* out, int64_t ldo,
+                                             int rows, int cols, bool accumulate, bool wg_layout) {
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const auto put = [&](float v0, float v1, int r, int c) {
+      stage_pair<S>(staging + Staging<S, H>::offset(r, (h * BN + c) * static_cast<int>(sizeof(S))), v0, v1);
+    };
+    if (GG_MXFP8_WGMMA_HERE && wg_layout)
+      for_each_acc_pair<true>(acc[h], put);
+    else
+      for_each_acc_pair<false>(acc[h], put);
+  }
+  __syncthreads();
+  constexpr int E = 16 / static_cast<int>(sizeof(OutT));
+  constexpr int RUNS = H * BN / E;  // 16-byte runs a row
+  const bool vec = (ldo * static_cast<int64_t>(sizeof(OutT))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int live = rows < BM ? rows : BM;
+#pragma unroll 1  // unrolled, the fp32 rows kernels spilled (255 registers)
+  for (int i = threadIdx.x; i < live * RUNS; i += THREADS) {
+    const int r = i / RUNS, c = i % RUNS * E;
+    if (c < cols) write_run<OutT, S, H>(staging, r, c, out + static_cast<int64_t>(r) * ldo + c, cols, vec, accumulate);
+  }
+  __syncthreads();  // the staging tile is read: shared memory is the caller's again
+}
+
+// store_staged of out's values, or of fp32 where bf16 is added into (rounded once, after the sum).
+template <typename OutT, int H>
+__device__ __forceinline__ void store_tile(uint8_t* staging, const TileAcc<H>& acc, OutT* out, int64_t ldo, int rows,
+                                           int cols, bool accumulate, bool wg_layout) {
+  if (sizeof(OutT) == 2 && accumulate)
+    store_staged<OutT, float, H>(staging, acc, out, ldo, rows, cols, true, wg_layout);
   else
-    for_each_acc_pair<false>(acc, store);
+    store_staged<OutT, OutT, H>(staging, acc, out, ldo, rows, cols, accumulate, wg_layout);
+}
+template <typename OutT>
+__device__ __forceinline__ void store_tile(uint8_t* staging, const Acc& acc, OutT* out, int64_t ldo, int rows,
+                                           int cols, bool accumulate, bool wg_layout) {
+  store_tile<OutT, 1>(staging, reinterpret_cast<const TileAcc<1>&>(acc), out, ldo, rows, cols, accumulate, wg_layout);
 }
 
 // fwd / dgrad. Group g owns rows [row_ends[g-1], row_ends[g]) of A and out; B's group g is
@@ -1263,8 +1372,8 @@ __global__ void __launch_bounds__(THREADS, ROWS_PER_SM)
   const RowRanges ranges{a_ranges ? a_ranges + row0 : nullptr,
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
   tile_product<false, BKOuter, ROWS_HALVES, ROWS_PER_SM>(smem, a, row0, rows, group_operand(b, g), col0, cols, 0, kblocks, ranges,
-                               [&](const Acc& acc, bool wg, int c0) {
-                                 store_tile(acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
+                               [&](const auto& acc, bool wg, int c0) {
+                                 store_tile(smem, acc, out + row0 * ncols + col0 + c0, ncols, rows, cols - c0, false, wg);
                                });
 }
 
@@ -1293,8 +1402,8 @@ __global__ void __launch_bounds__(THREADS, WGRAD_PER_SM)
                          b_ranges ? b_ranges + static_cast<int64_t>(g) * ncols + col0 : nullptr};
   OutT* dst = out + (static_cast<int64_t>(g) * nrows + row0) * ncols + col0;
   tile_product<KOuter, KOuter, WGRAD_HALVES, WGRAD_PER_SM>(smem, a, row0, rows, b, col0, cols, t0 / MX_BLOCK, t1 / MX_BLOCK, ranges,
-                               [&](const Acc& acc, bool wg, int c0) {
-                                 store_tile(acc, dst + c0, ncols, rows, cols - c0, accumulate, wg);
+                               [&](const auto& acc, bool wg, int c0) {
+                                 store_tile(smem, acc, dst + c0, ncols, rows, cols - c0, accumulate, wg);
                                });
 }
 
