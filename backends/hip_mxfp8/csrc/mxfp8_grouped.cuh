@@ -471,7 +471,7 @@ struct StageLoader {
   // every stage's store_scales does without a shared-memory load).
   __device__ __forceinline__ void bind(const int32_t* rows_ref) {
 #pragma unroll
-    for (int i = 0; i < SCALES; ++i) ref[i] = rows_ref[r0 + i * dr];
+    for (int i = 0; i < SCALES; ++i) ref[i] = rows_ref[r0 + i * dr] >> 23;  // the byte (see scale_ranges)
   }
 
   // Scale bytes -> the stage's scale words: fp32 2^(s-127) (per-block path, 1.0 outside the
@@ -557,7 +557,9 @@ struct RowRanges {
 
 // Each operand row's largest scale byte into ref[] (A's BM rows, then B's `b_tile`; 0 for rows
 // outside the operands), and whether every row's scales lie within MAX_SPREAD binades of it:
-// the condition of the prescaled path, decided for the whole tile.
+// the condition of the prescaled path, decided for the whole tile. ref holds the byte as the
+// fp32 bits of its value (e8m0_value), which bits >> 23 turn back into the byte (0 and 255
+// too): converted once here, not by every thread at each of its columns in the epilogue.
 __device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, int b_tile, RowRanges ranges, int32_t* ref) {
   bool wide = false;
   for (int t = threadIdx.x; t < BM + b_tile; t += THREADS) {
@@ -569,7 +571,7 @@ __device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, int b_tile,
       lo = range >> 8;
       hi = range & 0xff;
     }
-    ref[t] = hi;
+    ref[t] = static_cast<int32_t>(__float_as_uint(e8m0_value(hi)));
     wide = wide || hi - lo > MAX_SPREAD;
   }
   return !__syncthreads_or(wide);
@@ -891,11 +893,12 @@ __device__ __forceinline__ void for_each_acc(A& acc, F f) {
   });
 }
 
-// acc *= 2^(ref_a[row] - 127) * 2^(ref_b[column] - 127): the prescaled path's rows' largest
-// scales, applied once at the end (in the per-block path's order), in either layout.
+// acc *= 2^(ref_a[row] - 127) * 2^(ref_b[column] - 127) (ref: scale_ranges' fp32 bits): the
+// prescaled path's rows' largest scales, applied once at the end (in the per-block path's
+// order), in either layout.
 template <bool Wg>
 __device__ __forceinline__ void apply_row_scales(Acc& acc, const int32_t* ref_a, const int32_t* ref_b) {
-  for_each_acc<Wg>(acc, [&](float& v, int r, int c) { v = v * e8m0_value(ref_a[r]) * e8m0_value(ref_b[c]); });
+  for_each_acc<Wg>(acc, [&](float& v, int r, int c) { v = v * __int_as_float(ref_a[r]) * __int_as_float(ref_b[c]); });
 }
 
 // acc += the MX blocks [kb_begin, kb_end) of A rows [a_row0, +a_rows) x B rows [b_row0,
@@ -1261,7 +1264,8 @@ __device__ __forceinline__ void write_run(const uint8_t* staging, int r, int c, 
     else return static_cast<float>(v[e]);
   };
   if (vec && c + E <= cols) {  // one 16-byte store (after one 16-byte load when added into)
-    OutT old[E], res[E];
+    alignas(16) OutT old[E];  // 16-byte accesses below
+    alignas(16) OutT res[E];
     if (accumulate) *reinterpret_cast<uint4*>(old) = *reinterpret_cast<const uint4*>(dst);
 #pragma unroll
     for (int e = 0; e < E; e += 2) {
