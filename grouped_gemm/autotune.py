@@ -194,13 +194,18 @@ def interleave(
     return [[[clock.ms(s, e) for s, e in pairs] for pairs in per_block] for per_block in stamps], sum(made)
 
 
-def paired_ms(blocks: Sequence[Sequence[Sequence[float]]]) -> list[float]:
-    """Each contender's time from ``interleave``'s blocks: the first one's median, and
-    for each other the first one's median times the median of its ratios to the first
-    one block by block (medians of neighbouring blocks), which a drift shared by
-    neighbours cancels out of."""
+def paired_ms(blocks: Sequence[Sequence[Sequence[float]]], base_ms: float | None = None) -> list[float]:
+    """Each contender's time from ``interleave``'s blocks: the first one's, and for each
+    other the first one's times the median of its ratios to the first one block by block
+    (medians of neighbouring blocks), which a drift shared by neighbours cancels out of.
+
+    The first one's time is ``base_ms`` where given (its median in the rotating rounds, so
+    that the paired times compare with contenders timed in rounds only: short blocks,
+    each after a device sync, time longer; on an H100, 2026-12-06, 2.84 ms in blocks
+    against 2.30 ms in rounds, which let a contender 17 % behind in the rounds win), else
+    its median in the blocks."""
     first = blocks[0]
-    base = _median([ms for block in first for ms in block])
+    base = _median([ms for block in first for ms in block]) if base_ms is None else base_ms
     return [base] + [
         base * _median([_median(mine) / _median(ref) for mine, ref in zip(other, first, strict=True)])
         for other in blocks[1:]
@@ -652,7 +657,7 @@ class Tuner:
             blocks, _ = interleave([runner(c) for c in chosen], max(medians[label] for label in close), clock, plan)
         except Exception:  # noqa: BLE001 - the raising contender is excluded, the others keep their rounds
             return None
-        for c, per_block, ms in zip(chosen, blocks, paired_ms(blocks), strict=True):
+        for c, per_block, ms in zip(chosen, blocks, paired_ms(blocks, medians[close[0]]), strict=True):
             c.times = [ms for block in per_block for ms in block]
             c.paired_ms = ms
         first = min(range(len(chosen)), key=lambda j: timed.index(chosen[j]))  # declared rank

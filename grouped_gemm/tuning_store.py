@@ -77,7 +77,7 @@ class CloseCall:
     ``labels`` (the fastest first) were within ``margin`` of the fastest by their round
     medians (``rounds_ms``); they were then timed alternating in short blocks, so that
     drift hits them alike. Their times in ``Tuning.timings`` come from that: the first
-    one's median, the others' its median times their block-by-block ratio to it.
+    one's round median, the others' that times their block-by-block ratio to it.
     ``calls`` is what that took, untimed calls included. ``ties``: the declared-rank-first
     of them and those that did not beat it consistently (``autotune.CONSISTENT_WINS``),
     which rank as a tie, so declared priority picks among them; empty when none.

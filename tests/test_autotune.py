@@ -193,6 +193,42 @@ def test_a_close_call_is_timed_again_interleaved_and_the_faster_wins(only, gen, 
     assert stored[decision.tuning.key].close_call == close and isinstance(close, CloseCall)
 
 
+def test_a_close_call_keeps_the_rounds_scale(only, gen, monkeypatch):
+    """Blocks that time every contender longer (each starts after a device sync) must not
+    hand the win to a contender timed in the rounds only: on an H100 the close call's
+    2.84 ms against a bystander's 2.69 ms round median picked the bystander, 17 % slower
+    in the rounds (qwen3_235b_gateup bf16 fwd)."""
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    interleave = autotune.interleave
+
+    def slow_blocks(*args, **kwargs):
+        blocks, made = interleave(*args, **kwargs)
+        return [[[1.3 * ms for ms in block] for block in per] for per in blocks], made
+
+    monkeypatch.setattr(autotune, "interleave", slow_blocks)
+    first = TimedBackend("first", delay=0.001, clock=clock)
+    second = TimedBackend("second", delay=0.00103, clock=clock)
+    bystander = TimedBackend("bystander", delay=0.00115, priority=10, clock=clock)
+    only(first, second, bystander)
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert set(decision.tuning.close_call.labels) == {"first", "second"}
+    assert decision.selected == "first", decision.table()
+    times = {t.backend: t.ms for t in decision.tuning.timings}
+    assert times["first"] == pytest.approx(1.0, rel=1e-6)  # its round median, not 1.3
+    assert times["second"] == pytest.approx(1.03, rel=1e-3)
+    assert times["bystander"] == pytest.approx(1.15, rel=1e-6)
+
+
+def test_paired_ms_scales_from_the_given_base():
+    blocks = [[[2.0, 2.0], [2.0, 2.0]], [[2.2, 2.2], [2.2, 2.2]]]
+    assert autotune.paired_ms(blocks) == pytest.approx([2.0, 2.2])
+    assert autotune.paired_ms(blocks, 1.5) == pytest.approx([1.5, 1.65])
+
+
 class _Jittery(TimedBackend):
     """``delay`` on average, but 6 % slower or faster in runs of ``period`` calls: a lead
     of 1 % over a steady neighbour flips from block pair to block pair."""
