@@ -12,8 +12,9 @@ bf16 and in each MX recipe where at least two backends are eligible here, it
    those are timed again alternating in short blocks, as the tuner does (``interleave``,
    ``paired_ms``, with more calls than it), and that defines their times;
 3. reports ``gap`` = time(tuned choice) / time(best) - 1 (the goal: <= 3 % on every
-   problem), where a choice with a kernel config is timed as it is dispatched (``TUNED``:
-   the API with autotuning on, after the tuning), not as its backend's default and ``vs priority`` = time(priority choice) / time(tuned choice) - 1, and
+   problem), a choice with a kernel config timed as it is dispatched (``TUNED``: the API
+   with autotuning on, after the tuning), not as its backend's default; and ``vs
+   priority`` = time(priority choice) / time(tuned choice) - 1; and
    for each problem whether the tuner or the separate timing needed a close call and
    whether the tuned choice was measured on it or on the other splits of its signature
    (the splits are host lists: the signature holds M's bucket and the largest group's,
