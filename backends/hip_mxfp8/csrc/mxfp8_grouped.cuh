@@ -1240,18 +1240,17 @@ __device__ __forceinline__ void stage_pair<uint16_t>(uint8_t* at, float v0, floa
   *reinterpret_cast<uint32_t*>(at) = OutStore<uint16_t>::pack2(v0, v1);
 }
 
-// The staged tile's row r, columns [c, c + E) (E: one 16-byte store of OutT) to dst, or added
-// into it. Whole runs inside out go out as one 16-byte access where out's rows keep them
-// aligned (`vec`), others element by element, bounded by `cols`.
-template <typename OutT, typename S, int H>
-__device__ __forceinline__ void write_run(const uint8_t* staging, int r, int c, OutT* dst, int cols, bool vec,
-                                          bool accumulate) {
+// A staged run of columns [c, c + E) (E: one 16-byte store of OutT), whose bytes start at
+// `src` (one swizzle unit holds them), to dst, or added into it. Whole runs inside out go out
+// as one 16-byte access where out's rows keep them aligned (`vec`), others element by
+// element, bounded by `cols`.
+template <typename OutT, typename S>
+__device__ __forceinline__ void write_run(const uint8_t* src, int c, OutT* dst, int cols, bool vec, bool accumulate) {
   constexpr int E = 16 / static_cast<int>(sizeof(OutT));
   constexpr int WORDS = E * static_cast<int>(sizeof(S)) / 16;  // 16-byte loads of the staged run
   uint4 staged[WORDS];
 #pragma unroll
-  for (int w = 0; w < WORDS; ++w)
-    staged[w] = *reinterpret_cast<const uint4*>(staging + Staging<S, H>::offset(r, c * static_cast<int>(sizeof(S)) + 16 * w));
+  for (int w = 0; w < WORDS; ++w) staged[w] = *reinterpret_cast<const uint4*>(src + 16 * w);
   const S* v = reinterpret_cast<const S*>(staged);
   if constexpr (sizeof(S) == sizeof(OutT)) {  // staged as out's values: bits copied, or added in fp32
     if (!accumulate && vec && c + E <= cols) {
@@ -1314,14 +1313,26 @@ __device__ __forceinline__ void store_staged(uint8_t* staging, const TileAcc<H>&
       for_each_acc_pair<false>(acc[h], put);
   }
   __syncthreads();
+  // A thread keeps one run of columns and steps down the rows, PASS at a time: its staged run
+  // moves by PASS rows of the staging tile (PASS is a multiple of the swizzle's period) and its
+  // destination by PASS rows of out, so no index is divided again (the write-out loop was a
+  // sixth of the one-stage wgrad tile's instructions with its 64-bit index math; H200 counters).
+  using Tile = Staging<S, H>;
   constexpr int E = 16 / static_cast<int>(sizeof(OutT));
-  constexpr int RUNS = H * BN / E;  // 16-byte runs a row
+  constexpr int RUNS = H * BN / E;       // 16-byte runs a row
+  constexpr int PASS = THREADS / RUNS;  // rows a pass of the block
+  static_assert(THREADS % RUNS == 0 && PASS % Tile::PERIOD == 0, "a thread's run keeps its column and swizzle phase");
+  static_assert(E * sizeof(S) <= Tile::UNIT, "a run lies in one swizzle unit");
   const bool vec = (ldo * static_cast<int64_t>(sizeof(OutT))) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int live = rows < BM ? rows : BM;
+  const int r0 = threadIdx.x / RUNS, c = threadIdx.x % RUNS * E;
+  if (c < cols) {
+    const uint8_t* src = staging + Tile::offset(r0, c * static_cast<int>(sizeof(S)));
+    OutT* dst = out + static_cast<int64_t>(r0) * ldo + c;
+    const int64_t dst_pass = PASS * ldo;
 #pragma unroll 1  // unrolled, the fp32 rows kernels spilled (255 registers)
-  for (int i = threadIdx.x; i < live * RUNS; i += THREADS) {
-    const int r = i / RUNS, c = i % RUNS * E;
-    if (c < cols) write_run<OutT, S, H>(staging, r, c, out + static_cast<int64_t>(r) * ldo + c, cols, vec, accumulate);
+    for (int r = r0; r < live; r += PASS, src += PASS * Tile::ROW, dst += dst_pass)
+      write_run<OutT, S>(src, c, dst, cols, vec, accumulate);
   }
   __syncthreads();  // the staging tile is read: shared memory is the caller's again
 }
