@@ -274,11 +274,12 @@ def _local_accesses_in_mma_loops(function_sass: str) -> list[str]:
     code = [(int(m.group(1), 16), line) for line in function_sass.splitlines() if (m := address.search(line))]
     loops = []
     for at, line in code:
-        back = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line)
-        if back and int(back.group(1), 16) < at:
-            body = [text for where, text in code if int(back.group(1), 16) <= where <= at]
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line)
+        target = int(branch.group(1), 16) if branch else at
+        if target < at:  # a backward branch: the loop [target, at]
+            body = [text for where, text in code if target <= where <= at]
             if any(re.search(r"\b(HGMMA|HMMA|QMMA)\.", text) for text in body):
-                loops.append((int(back.group(1), 16), at, body))
+                loops.append((target, at, body))
     innermost = [
         body
         for lo, hi, body in loops
@@ -326,10 +327,10 @@ def test_kernel_compiles_with_spills_only_in_wgrad(tmp_path, target, defines, in
     # The rows kernels and row_ranges_kernel keep their main loops' values in registers: at
     # 255 registers ptxas may keep up to four words of the epilogue's addresses in local
     # memory across the per-block path (stored once, loaded once a column pass), never in a
-    # main loop (an innermost loop of MMAs). The wgrad kernels run two blocks a SM, at 128 registers a thread, and
-    # spill a few hundred bytes (loop-invariant loader state, reloaded from L1): two blocks
-    # measured 1-13 % faster on seven of the nine cases on an H100 despite them
-    # (docs/performance.md).
+    # main loop (an innermost loop of MMAs). The wgrad kernels run two blocks a SM, at 128
+    # registers a thread, and spill a few hundred bytes (loop-invariant loader state,
+    # reloaded from L1): two blocks measured 1-13 % faster on seven of the nine cases on an
+    # H100 despite them (docs/performance.md).
     spills = _spills_by_kernel(compiled.stderr)
     assert len(spills) == 9, compiled.stderr
     for name, spilled in spills.items():
