@@ -269,7 +269,33 @@ def test_pair_wins_counts_block_pairs_with_drift_cancelled():
     rank = {"a": 0, "b": 1}
     timings = [Timing("a", None, 1.05, 5), Timing("b", None, 1.0, 5)]
     assert autotune.choose(timings, rank).backend == "b"
-    assert autotune.choose(timings, rank, ties=("a", "b")).backend == "a"
+    assert autotune.choose(timings, rank, close=CloseCall(("b", "a"), (1.0, 1.05), 0.1, 8, ("a", "b"))).backend == "a"
+
+
+def test_a_consistent_close_call_winner_is_not_tied_away():
+    rank = {"a": 0, "b": 1, "c": 2}
+    timings = [Timing("a", None, 1.015, 5), Timing("b", None, 1.0, 5), Timing("c", None, 1.01, 5)]
+    assert autotune.choose(timings, rank).backend == "a"  # no close call: within 2 %, declared rank
+    beat_a = CloseCall(("b", "a"), (1.0, 1.03), 0.1, 8)  # b won the block pairs: no ties
+    assert autotune.choose(timings, rank, close=beat_a).backend == "b"
+    flipped = CloseCall(("b", "a"), (1.0, 1.03), 0.1, 8, ("a", "b"))
+    assert autotune.choose(timings, rank, close=flipped).backend == "a"
+    only_c = CloseCall(("c", "a"), (1.0, 1.03), 0.1, 8)  # b not in the close call: the margin rules
+    assert autotune.choose(timings, rank, close=only_c).backend == "a"
+
+
+def test_a_small_steady_lead_wins_its_close_call(only, gen, monkeypatch):
+    # 1 % apart, inside the tie margin, but ahead in every block pair: not a tie.
+    clock = FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    first = TimedBackend("first", delay=0.00101, priority=10, clock=clock)
+    only(first, TimedBackend("ahead", delay=0.001, clock=clock))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.tuning.close_call is not None and decision.tuning.close_call.ties == ()
+    assert decision.selected == "ahead" and decision.tuning.priority_choice == "first", decision.table()
 
 
 def test_a_clear_case_takes_no_extra_calls(only, gen, monkeypatch):
