@@ -560,19 +560,22 @@ struct RowRanges {
 // the condition of the prescaled path, decided for the whole tile. ref holds the byte as the
 // fp32 bits of its value (e8m0_value), which bits >> 23 turn back into the byte (0 and 255
 // too): converted once here, not by every thread at each of its columns in the epilogue.
+// Entry t of ref[] (see scale_ranges) from its row's packed range, or from NO_RANGE for a row
+// outside the operands; whether the row's scales span more than MAX_SPREAD binades.
+constexpr uint32_t NO_RANGE = 0xff00u;  // smallest 255, largest 0: never wide, ref 2^-127
+__device__ __forceinline__ bool put_range(uint32_t range, int32_t* slot) {
+  const int lo = static_cast<int>(range >> 8), hi = static_cast<int>(range & 0xffu);
+  *slot = static_cast<int32_t>(__float_as_uint(e8m0_value(hi)));
+  return hi - lo > MAX_SPREAD;
+}
+
 __device__ __forceinline__ bool scale_ranges(int a_rows, int b_rows, int b_tile, RowRanges ranges, int32_t* ref) {
   bool wide = false;
   for (int t = threadIdx.x; t < BM + b_tile; t += THREADS) {
     const bool is_a = t < BM;
     const int r = is_a ? t : t - BM;
-    int lo = 255, hi = 0;
-    if (r < (is_a ? a_rows : b_rows)) {
-      const uint16_t range = (is_a ? ranges.a : ranges.b)[r];
-      lo = range >> 8;
-      hi = range & 0xff;
-    }
-    ref[t] = static_cast<int32_t>(__float_as_uint(e8m0_value(hi)));
-    wide = wide || hi - lo > MAX_SPREAD;
+    const uint32_t range = r < (is_a ? a_rows : b_rows) ? (is_a ? ranges.a : ranges.b)[r] : NO_RANGE;
+    wide = put_range(range, ref + t) || wide;
   }
   return !__syncthreads_or(wide);
 }
@@ -1050,34 +1053,38 @@ __device__ __forceinline__ void zero_past(uint8_t* codes, int steps) {
 // warpgroup w: rows 64 w + [0, 64), every column): with two f16 buffers (one block a SM) while
 // the threads convert the next half, with one (two blocks a SM) before they do.
 // acc[h] holds columns h BN + [0, BN) in for_each_acc's wgmma layout.
+// The wgmma path's code stages, at the first swizzle-aligned byte of the dynamic shared memory.
+template <int Halves>
+__device__ __forceinline__ WgStage<Halves>* wg_stages(uint8_t* smem) {
+  const uint32_t offset = smem_addr(smem) % SWIZZLE_ATOM;
+  return reinterpret_cast<WgStage<Halves>*>(smem + (offset ? SWIZZLE_ATOM - offset : 0));
+}
+
+// The stage loop of a tile: its stages [0, tiles), stage i in stages[i % WG_STAGES] landing on
+// barrier i % WG_STAGES (at shared address `bars_at`), the first WG_STAGES - 1 issued and
+// their scale words stored by the caller. `phases` bit s: the parity of bars[s]'s next phase
+// (a block that runs several tiles keeps its barriers: every phase is waited once).
 template <bool AKOuter, bool BKOuter, int Halves, int PerSM>
-__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
-                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
-                                               int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
+__device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t bars_at, uint32_t& phases,
+                                             TileLoader<AKOuter, BKOuter, WgStage<Halves>>& loader, int64_t kb_begin,
+                                             int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
   using StageT = WgStage<Halves>;
   using Plan = SmemPlan<Halves, PerSM>;
   constexpr int WG_STAGES = Plan::WG_STAGES;
   constexpr int F16_B = Halves * F16_A;
-  const uint32_t offset = smem_addr(smem) % SWIZZLE_ATOM;
-  StageT* stages = reinterpret_cast<StageT*>(smem + (offset ? SWIZZLE_ATOM - offset : 0));
   uint8_t* f16 = reinterpret_cast<uint8_t*>(stages + WG_STAGES);  // buffer h (of F16_BUFS): A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
   const int warpgroup = threadIdx.x / 128;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
-  __shared__ uint64_t bars[WG_STAGES];  // stage s has landed: a phase of bars[s]
-  bars_init(bars, WG_STAGES);
-  __syncthreads();
-  TileLoader<AKOuter, BKOuter, StageT> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
-  loader.template prologue<WG_STAGES - 1, true>(stages, kb_begin, tiles, ref_a, ref_b, true, bars);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(__cvta_shared_to_generic(bars_at));
   pin_acc(acc);
-  // The barriers' shared address kept in a register (opaque to ptxas, which otherwise
-  // re-derived it from the CTA's id at every stage: with the LEA after it, 7 % of the stall
-  // samples, by ncu); the f16 buffers' address converted once.
-  const uint32_t bars_at = opaque(smem_addr(bars)), f16_at = smem_addr(f16);
+  const uint32_t f16_at = smem_addr(f16);
   for (int64_t i = 0; i < tiles; ++i) {
     StageT& current = stages[i % WG_STAGES];
-    bar_wait(bars_at + static_cast<uint32_t>(i % WG_STAGES * sizeof(uint64_t)), static_cast<uint32_t>(i / WG_STAGES) & 1u);
+    const uint32_t s = static_cast<uint32_t>(i % WG_STAGES);
+    bar_wait(bars_at + s * static_cast<uint32_t>(sizeof(uint64_t)), (phases >> s) & 1u);
+    phases ^= 1u << s;
     const int64_t steps_left = (kb_end - kb_begin - i * KB_PER_TILE) * MX_BLOCK;
     if (steps_left < BK) {  // the tile's last stage reaches past its contraction
       zero_past<AKOuter, BM>(current.a, static_cast<int>(steps_left));
@@ -1135,6 +1142,28 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
 #pragma unroll
   for (int h = 0; h < Halves; ++h) apply_row_scales<true>(acc[h], ref_a, ref_b + h * BN);
   __syncthreads();  // the caller may reuse shared memory
+}
+
+// One tile on the wgmma path from scratch: barriers, loader, prologue, stage loop.
+template <bool AKOuter, bool BKOuter, int Halves, int PerSM>
+__device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, int64_t a_row0, int a_rows,
+                                               const Operand& b, int64_t b_row0, int b_rows, int64_t kb_begin,
+                                               int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
+  using StageT = WgStage<Halves>;
+  constexpr int WG_STAGES = SmemPlan<Halves, PerSM>::WG_STAGES;
+  StageT* stages = wg_stages<Halves>(smem);
+  const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
+  __shared__ uint64_t bars[WG_STAGES];  // stage s has landed: a phase of bars[s]
+  bars_init(bars, WG_STAGES);
+  __syncthreads();
+  TileLoader<AKOuter, BKOuter, StageT> loader(a, a_row0, a_rows, b, b_row0, b_rows, kb_end);
+  loader.template prologue<WG_STAGES - 1, true>(stages, kb_begin, tiles, ref, ref + BM, true, bars);
+  // The barriers' shared address kept in a register (opaque to ptxas, which otherwise
+  // re-derived it from the CTA's id at every stage: with the LEA after it, 7 % of the stall
+  // samples, by ncu).
+  uint32_t phases = 0;
+  wgmma_stages<AKOuter, BKOuter, Halves, PerSM>(stages, opaque(smem_addr(bars)), phases, loader, kb_begin, kb_end, ref,
+                                                acc);
 }
 #endif  // GG_MXFP8_WGMMA_HERE
 
