@@ -26,8 +26,8 @@ at a new temporary directory, so any compiled-kernel cache under that variable s
 cold too and first-call compilation shows in the tuning cost. Separate timings run each
 backend's default ``run`` (the Triton backends' tile configs are timed by
 ``tile_sweep.py``). ``--quick`` (the H200 run, under 5 minutes) lightens the separate
-timing, limits the MX recipes to ``mxfp4`` on four cases and stops starting problems
-after ``--budget-s``. On the H200 on
+timing, limits the MX recipes to ``mxfp4`` on four cases (unless ``--recipes`` names
+them: then on ``--cases``) and stops starting problems after ``--budget-s``. On the H200 on
 2026-12-03 it took 78 s for 96 problems; by that run's times, the close calls add about
 1.5 s of tuning (9 signatures) and 8 s of separate interleaved timing (17 problems).
 Writes ``<out>/autotune.json`` (``--out``, else ``$OUT``, else ``bench-results/``) and
@@ -276,7 +276,7 @@ def main() -> int:
         (case, kind, recipe, op)
         for recipe in recipes
         for case in select_cases(args.cases, args.scale)
-        if recipe == "bf16" or not args.quick or case.name in QUICK_MX_CASES
+        if recipe == "bf16" or not args.quick or args.recipes or case.name in QUICK_MX_CASES
         for kind in parse_list(args.splits, "splits", SPLIT_KINDS)
         for op in parse_list(args.ops, "ops", OPS)
     ]
