@@ -49,7 +49,7 @@ class HipMxfp8Backend(Backend):
         version=__version__,
         description="compiled MXFP8 grouped GEMM (built on first use): codes prescaled to f16 by their "
         "block scales on wgmma (sm_90a), per-32-block promotion where scales spread "
-        "widely; portable inner product on gfx950; below triton_mxfp8 until timed against it",
+        "widely; portable inner product on gfx950; below triton_mxfp8 (faster only at small groups)",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         recipes=frozenset({"mxfp8"}),
         vendors=frozenset({"cuda", "rocm"}),
@@ -88,7 +88,8 @@ class HipMxfp8Backend(Backend):
         return [] if outcome.ok else [_build_reason(outcome)]
 
     def priority(self, problem: Problem) -> int:
-        """30 on sm_90 (below ``triton_mxfp8``'s 80 until timed against it), 10 on gfx950."""
+        """30 on sm_90 (below ``triton_mxfp8``'s 80: faster than it only on fwd / dgrad of
+        small groups, docs/backends.md), 10 on gfx950."""
         return PRIORITY.get(problem.device.arch, self.spec.priority)
 
     def status(self) -> str:
