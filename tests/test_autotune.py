@@ -282,13 +282,15 @@ def test_a_consistent_close_call_winner_is_not_tied_away():
     assert autotune.choose(timings, rank, close=flipped).backend == "a"
     only_c = CloseCall(("c", "a"), (1.0, 1.03), 0.1, 8)  # b not in the close call: the margin rules
     assert autotune.choose(timings, rank, close=only_c).backend == "a"
+    small_lead = [Timing("a", None, 1.009, 5), Timing("b", None, 1.0, 5)]  # under half the margin: a tie
+    assert autotune.choose(small_lead, rank, close=beat_a).backend == "a"
 
 
 def test_a_small_steady_lead_wins_its_close_call(only, gen, monkeypatch):
-    # 1 % apart, inside the tie margin, but ahead in every block pair: not a tie.
+    # 1.5 % apart, inside the tie margin but over half of it, ahead in every block pair: not a tie.
     clock = FakeClock()
     monkeypatch.setattr(autotune, "Clock", clock)
-    first = TimedBackend("first", delay=0.00101, priority=10, clock=clock)
+    first = TimedBackend("first", delay=0.001015, priority=10, clock=clock)
     only(first, TimedBackend("ahead", delay=0.001, clock=clock))
     x, w = _operands(gen)
     gg.configure(autotune=True)
