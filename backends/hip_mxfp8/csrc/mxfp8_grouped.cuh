@@ -1061,11 +1061,10 @@ __device__ __forceinline__ WgStage<Halves>* wg_stages(uint8_t* smem) {
 }
 
 // The stage loop of a tile: its stages [0, tiles), stage i in stages[i % WG_STAGES] landing on
-// barrier i % WG_STAGES (at shared address `bars_at`), the first WG_STAGES - 1 issued and
-// their scale words stored by the caller. `phases` bit s: the parity of bars[s]'s next phase
-// (a block that runs several tiles keeps its barriers: every phase is waited once).
+// barrier i % WG_STAGES (at shared address `bars_at`, freshly initialized), the first
+// WG_STAGES - 1 issued and their scale words stored by the caller.
 template <bool AKOuter, bool BKOuter, int Halves, int PerSM>
-__device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t bars_at, uint32_t& phases,
+__device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t bars_at,
                                              TileLoader<AKOuter, BKOuter, WgStage<Halves>>& loader, int64_t kb_begin,
                                              int64_t kb_end, const int32_t* ref, TileAcc<Halves>& acc) {
   using StageT = WgStage<Halves>;
@@ -1080,6 +1079,9 @@ __device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t b
   uint64_t* bars = reinterpret_cast<uint64_t*>(__cvta_shared_to_generic(bars_at));
   pin_acc(acc);
   const uint32_t f16_at = smem_addr(f16);
+  // Bit s: the parity of bars[s]'s next phase, flipped at each wait (no division by the stage
+  // count at every stage).
+  uint32_t phases = 0;
   for (int64_t i = 0; i < tiles; ++i) {
     StageT& current = stages[i % WG_STAGES];
     const uint32_t s = static_cast<uint32_t>(i % WG_STAGES);
@@ -1161,9 +1163,7 @@ __device__ __forceinline__ void wgmma_pipeline(uint8_t* smem, const Operand& a, 
   // The barriers' shared address kept in a register (opaque to ptxas, which otherwise
   // re-derived it from the CTA's id at every stage: with the LEA after it, 7 % of the stall
   // samples, by ncu).
-  uint32_t phases = 0;
-  wgmma_stages<AKOuter, BKOuter, Halves, PerSM>(stages, opaque(smem_addr(bars)), phases, loader, kb_begin, kb_end, ref,
-                                                acc);
+  wgmma_stages<AKOuter, BKOuter, Halves, PerSM>(stages, opaque(smem_addr(bars)), loader, kb_begin, kb_end, ref, acc);
 }
 #endif  // GG_MXFP8_WGMMA_HERE
 
