@@ -209,7 +209,7 @@ def test_a_close_call_keeps_the_rounds_scale(only, gen, monkeypatch):
     monkeypatch.setattr(autotune, "interleave", slow_blocks)
     first = TimedBackend("first", delay=0.001, clock=clock)
     second = TimedBackend("second", delay=0.00103, clock=clock)
-    bystander = TimedBackend("bystander", delay=0.00115, priority=10, clock=clock)
+    bystander = TimedBackend("bystander", delay=0.0012, priority=10, clock=clock)  # beyond CLOSE_MARGIN
     only(first, second, bystander)
     x, w = _operands(gen)
     gg.configure(autotune=True)
@@ -220,7 +220,7 @@ def test_a_close_call_keeps_the_rounds_scale(only, gen, monkeypatch):
     times = {t.backend: t.ms for t in decision.tuning.timings}
     assert times["first"] == pytest.approx(1.0, rel=1e-6)  # its round median, not 1.3
     assert times["second"] == pytest.approx(1.03, rel=1e-3)
-    assert times["bystander"] == pytest.approx(1.15, rel=1e-6)
+    assert times["bystander"] == pytest.approx(1.2, rel=1e-6)
 
 
 def test_paired_ms_scales_from_the_given_base():
@@ -331,7 +331,7 @@ def test_close_contenders_beyond_the_cap_are_pruned(only, gen, monkeypatch):
     tuning = gg.explain(x, w, SPLITS).tuning
     assert tuning.choice == "b0" and tuning.close_call.labels == ("b0", "b1")
     third = {t.backend: t for t in tuning.timings}["b2"]
-    assert third.note == "pruned: within 10 % but behind 2 closer contenders"
+    assert third.note == "pruned: within 15 % but behind 2 closer contenders"
     assert third.ms == pytest.approx(1.06) and not third.usable
 
 
