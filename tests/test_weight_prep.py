@@ -224,3 +224,6 @@ def test_gpu_fused_layout_equals_triton_quantizer_then_layout(fmt, op, gen):
             want = layouts_e4m3.build_upcast_weight_e4m3(mx)
         lay = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt)
         assert torch.equal(lay.data, want.data) and torch.equal(lay.scales, want.scales), (dtype, rule)
+        for tile in ((16, 2), (32, 2), (64, 4), (128, 4)):  # the defaults are picked by timing any of these
+            other = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt, tile=tile)
+            assert torch.equal(other.data, want.data) and torch.equal(other.scales, want.scales), (dtype, rule, tile)

@@ -97,16 +97,18 @@ def _empty_layout(
 #: layout), per op: what the quantize kernel's sweep chose on the H200 (2026-12-03, rows
 #: 16-128 x warps 2-8), when the two kernels shared their tiles; never swept on its own.
 MX_UPCAST_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
-#: The same for the quantize-and-lay-out kernels, per (format, op): the tile with the least
-#: total time over dsv3, qwen3-30B and gpt-oss gate-up weights in ``train_step.py --quick
-#: --prep-sweep`` on the H200 (Triton 3.6, 2026-12-04), e.g. dsv3 E2M1 fwd 0.657 ms, dgrad
-#: 0.795 ms; E4M3 dgrad (integer rounding) from a later run of three tiles: 64 x 4 and 32 x 2
-#: 0.947 ms, 64 x 2 0.991 ms.
+#: The same for the quantize-and-lay-out kernels, per (format, op): the fastest tile on all
+#: six weight shapes of ``train_step.py --quick --prep-sweep`` (dsv3 gate-up, qwen3-30B
+#: down, qwen3-235B gate-up, gpt-oss gate-up and down, mixtral down; rows 16-128 x warps
+#: 2-8) on an H100 (Triton 3.6, 2026-12-06), except E4M3 dgrad, whose 32 x 2 led 64 x 4 by
+#: at most 3 % (equal on mixtral). E4M3 fwd at 16 x 2 took 0.64-0.77x the time of the
+#: earlier 64 x 4, chosen on the H200 before the E4M3 word order changed (dsv3 0.972
+#: against 1.518 ms); E2M1 fwd at 32 x 2 0.93-0.98x of 128 x 4.
 DEFAULT_TILES = {
-    ("e2m1", "fwd"): (128, 4),
+    ("e2m1", "fwd"): (32, 2),
     ("e2m1", "dgrad"): (64, 4),
-    ("e4m3", "fwd"): (64, 4),
-    ("e4m3", "dgrad"): (64, 4),
+    ("e4m3", "fwd"): (16, 2),
+    ("e4m3", "dgrad"): (32, 2),
 }
 
 #: Triton before 3.7 hands a tile's threads to its non-contiguous axes from the first, later
