@@ -38,6 +38,18 @@ K_OUTER_LINE = 16
 #: declared for gfx950 so this backend is never chosen where that kernel would refuse.
 HK_MAX_GROUPS = 512
 PRIORITY = {"sm_89": 30, "sm_90": 30, "gfx950": 10}
+#: sm_90 fwd / dgrad of small groups with high-precision weights (quantized in the call):
+#: above ``triton_mxfp8`` (80). On an H100 (2026-12-06, benchmarks/autotune.py, public API,
+#: ``triton_mxfp8`` with its 16 x 2 E4M3 prep tile) this backend's fwd took 0.88-0.93x
+#: the time of ``triton_mxfp8``'s on gpt-oss gate-up and down (128 rows a group, balanced
+#: and skewed), 0.99-1.02x on the 2- and 16-row decode cases and 1.07-1.09x on qwen3-30B's
+#: 4-row decode; dgrad (before that tile; its own prep tile barely moved) 0.88-0.89x on
+#: gpt-oss. ``triton_mxfp8`` was faster on 22 of the 28 larger-group fwd / dgrad problems
+#: even before its new tile.
+#: Pre-quantized weights were not timed.
+SMALL_GROUPS_PRIORITY = 85
+#: Small: more than the first and at most the second many rows per group on average (M / G).
+SMALL_GROUP_MEAN_ROWS = (16, 128)
 
 
 class HipMxfp8Backend(Backend):
@@ -49,7 +61,8 @@ class HipMxfp8Backend(Backend):
         version=__version__,
         description="compiled MXFP8 grouped GEMM (built on first use): codes prescaled to f16 by their "
         "block scales on wgmma (sm_90a), per-32-block promotion where scales spread "
-        "widely; portable inner product on gfx950; below triton_mxfp8 (faster only at small groups)",
+        "widely; portable inner product on gfx950; above triton_mxfp8 for sm_90 fwd / dgrad of 17-128 "
+        "rows a group with high-precision weights (H100 measurements), below it elsewhere",
         ops=frozenset({"fwd", "dgrad", "wgrad"}),
         recipes=frozenset({"mxfp8"}),
         vendors=frozenset({"cuda", "rocm"}),
@@ -88,8 +101,18 @@ class HipMxfp8Backend(Backend):
         return [] if outcome.ok else [_build_reason(outcome)]
 
     def priority(self, problem: Problem) -> int:
-        """30 on sm_90 (below ``triton_mxfp8``'s 80: faster than it only on fwd / dgrad of
-        small groups, docs/backends.md), 10 on gfx950."""
+        """``SMALL_GROUPS_PRIORITY`` for sm_90 fwd / dgrad of 17-128 rows a group (on average)
+        with high-precision weights, where it measured faster than ``triton_mxfp8`` (80);
+        else 30 on sm_90 (below it), 10 on gfx950 (docs/backends.md)."""
+        fewest, most = SMALL_GROUP_MEAN_ROWS
+        small = fewest * problem.groups < problem.m <= most * problem.groups
+        if (
+            problem.device.arch == "sm_90"
+            and problem.op != "wgrad"
+            and small
+            and not problem.b_format.startswith("mx_")
+        ):
+            return SMALL_GROUPS_PRIORITY
         return PRIORITY.get(problem.device.arch, self.spec.priority)
 
     def status(self) -> str:
