@@ -101,7 +101,7 @@ MX_UPCAST_TILES = {"fwd": (32, 2), "dgrad": (64, 2)}
 #: six weight shapes of ``train_step.py --quick --prep-sweep`` (dsv3 gate-up, qwen3-30B
 #: down, qwen3-235B gate-up, gpt-oss gate-up and down, mixtral down; rows 16-128 x warps
 #: 2-8) on an H100 (Triton 3.6, 2026-12-06), except E4M3 dgrad, whose 32 x 2 led 64 x 4 by
-#: at most 3 % (equal on mixtral). E4M3 fwd at 16 x 2 took 0.64-0.77x the time of the
+#: at most 3 % (equal on mixtral). E4M3 fwd at 16 x 2 took 0.62-0.77x the time of the
 #: earlier 64 x 4, chosen on the H200 before the E4M3 word order changed (dsv3 0.972
 #: against 1.518 ms); E2M1 fwd at 32 x 2 0.93-0.98x of 128 x 4.
 DEFAULT_TILES = {
