@@ -91,6 +91,27 @@ def test_compile_failure_is_a_result_with_the_compiler_log(cache, monkeypatch):
     assert "not built for sm_90" in reason and str(outcome.log) in reason
 
 
+def test_a_compile_is_announced_and_a_load_is_not(cache, monkeypatch, caplog):
+    """A first call that compiles for a minute says so (a warning, once per build); loading
+    an up-to-date build says nothing."""
+    from torch.utils import cpp_extension
+
+    loads = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: loads.append(kw) or object())
+    directory = build.build_dir("sm_90")
+    directory.mkdir(parents=True, exist_ok=True)
+    with caplog.at_level("WARNING", logger="grouped_gemm"):
+        build.compile_extension("sm_90", directory)
+    compiled = [r for r in caplog.records if r.name == "grouped_gemm.backends.hip_mxfp8"]
+    assert len(compiled) == 1 and "compiling hip_mxfp8 for sm_90" in compiled[0].getMessage()
+    assert str(directory) in compiled[0].getMessage() and "grouped-gemm build hip_mxfp8" in compiled[0].getMessage()
+    (directory / f"{loads[0]['name']}.so").write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grouped_gemm"):
+        build.compile_extension("sm_90", directory)
+    assert len(loads) == 2 and not caplog.records
+
+
 def test_cache_root_and_key(cache, monkeypatch, tmp_path):
     assert build.cache_root() == cache
     monkeypatch.delenv(build.CACHE_ENV)

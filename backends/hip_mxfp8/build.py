@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -31,6 +32,8 @@ CSRC = Path(__file__).parent / "csrc"
 #: Every file the build reads: a change to any of them changes the key.
 SOURCES = ("binding.cu", "mxfp8_grouped.cuh")
 LOG_NAME = "build.log"
+#: A child of the library's logger: ``GROUPED_GEMM_LOG_LEVEL`` and the application's handlers apply.
+LOGGER = logging.getLogger("grouped_gemm.backends.hip_mxfp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +147,17 @@ def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any
         content = (CSRC / name).read_bytes()
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
+    name = f"gg_hip_mxfp8_{'portable_' if portable else ''}{source_hash()}"
+    if not (directory / f"{name}.so").exists():
+        # A minute of nvcc in the middle of a first call looks like a hang without this.
+        LOGGER.warning(
+            "compiling hip_mxfp8 for %s into %s: about a minute, once per machine, torch and source version "
+            "(`grouped-gemm build hip_mxfp8` does it ahead of time)",
+            arch,
+            directory,
+        )
     return cpp_extension.load(
-        name=f"gg_hip_mxfp8_{'portable_' if portable else ''}{source_hash()}",
+        name=name,
         sources=[str(sources / "binding.cu")],
         extra_include_paths=[str(sources)],
         extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch), *(["-DGG_MXFP8_PORTABLE"] if portable else [])],
