@@ -290,7 +290,8 @@ def prep_table(rows: list[dict[str, Any]]) -> str:
 
 
 def sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """``--prep-sweep``: the fastest tile per case, format and op against the default."""
+    """``--prep-sweep``: the fastest tile per case, format and op against the default, then
+    every tile's ms (the text is what comes back when the JSON cannot)."""
     lines = []
     for r in rows:
         for fmt in PREP_FORMATS:
@@ -302,6 +303,7 @@ def sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
                         f"fused prep {fmt} {op} on {r['case']}: fastest tile {best} {_cell(sweep[best], 3)} ms; "
                         f"default {_cell(r[f'fused prep {fmt} {op}'], 3)} ms"
                     )
+                    lines.append("  " + " ".join(f"{tile} {_cell(ms, 3)}" for tile, ms in sweep.items()))
     return lines
 
 
