@@ -63,9 +63,10 @@ TIE_MARGIN = 0.02
 PRUNE_FACTOR = 2.0
 #: After the rounds, contenders this close to the fastest are timed again, interleaved. On
 #: the H200 (2026-12-03) the rounds' ratio of torch_grouped_mm to multistream differed
-#: from the same pair timed separately by up to 9 points (8.9 % against 0.8 %); on an
-#: H100 (2026-12-06, mixtral_down bf16 wgrad) rounds put multistream 0.1-10.0 % behind
-#: in four runs while interleaved blocks had it 1.9-2.1 % ahead in all three that ran them.
+#: from the same pair timed separately by up to 9 points (8.9 % against 0.8 %). On
+#: mixtral_down bf16 wgrad (H200 and H100, 2026-12-04 to 06) the tuner's rounds put
+#: multistream 0.1-4.1 % behind it in four runs, and one separate timing's rounds 10.0 %,
+#: while interleaved blocks had multistream 1.9-2.4 % ahead in all four.
 CLOSE_MARGIN = 0.15
 #: At most this many close contenders (the fastest first) are timed interleaved; others
 #: as close keep their round medians and are pruned.
