@@ -65,6 +65,12 @@
 #ifndef GG_MXFP8_WGMMA
 #define GG_MXFP8_WGMMA 1
 #endif
+// 1 gives fwd / dgrad's A operand to wgmma in registers, converted from the code stage in the
+// fragment's order, instead of through an f16 tile in shared memory (a_fragments). Off until it
+// has run on a GPU (A/B: benchmarks/hip_mxfp8_ab.py, variant `csrc:GG_MXFP8_REG_A=1`).
+#ifndef GG_MXFP8_REG_A
+#define GG_MXFP8_REG_A 0
+#endif
 // Whether this compilation's device code runs the prescaled path on wgmma (sm_90a only; the
 // host pass sizes shared memory from the device's compute capability instead).
 #if GG_MXFP8_MMA_SYNC && GG_MXFP8_PRESCALE && GG_MXFP8_WGMMA && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -650,6 +656,16 @@ __device__ __forceinline__ void e4m3x4_to_f16_scaled(uint32_t codes, uint32_t mu
       : "r"(codes), "r"(mul));
 }
 
+// Two E4M3 codes (the low 16 bits) -> f16x2 times `mul` (f16x2), exactly as above.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16_scaled(uint32_t codes, uint32_t mul) {
+  uint32_t out;
+  asm("{\n .reg .b16 l, h;\n .reg .b32 f;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 f, l;\n"
+      " mul.rn.f16x2 %0, f, %2;\n}\n"
+      : "=r"(out)
+      : "r"(codes), "r"(mul));
+  return out;
+}
+
 // acc += A (16x16, f16) . B (16x8, f16), fp32 accumulation.
 __device__ __forceinline__ void mma_f16(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
@@ -716,6 +732,25 @@ __device__ __forceinline__ void wgmma_f16(TileAcc<2>& acc, uint64_t a, uint64_t 
       : GG_ACC16(0, 0), GG_ACC16(0, 1), GG_ACC16(0, 2), GG_ACC16(0, 3), GG_ACC16(1, 0), GG_ACC16(1, 1),
         GG_ACC16(1, 2), GG_ACC16(1, 3)
       : "l"(a), "l"(b), "r"(1));
+}
+// The same with A (this warp's 16 rows of the warpgroup's 64 x 16) in registers, in the
+// m16n8k16 A fragment's layout (a_fragments).
+__device__ __forceinline__ void wgmma_f16(TileAcc<2>& acc, const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      " %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      " %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      " %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      " %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : GG_ACC16(0, 0), GG_ACC16(0, 1), GG_ACC16(0, 2), GG_ACC16(0, 3), GG_ACC16(1, 0), GG_ACC16(1, 1),
+        GG_ACC16(1, 2), GG_ACC16(1, 3)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 #undef GG_ACC16
 #undef GG_ACC4
@@ -957,8 +992,12 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* tile, int r, int c, uin
 // cannot tell the two apart), and waiting on each load in turn was the largest stall of the
 // loop (ncu).
 //   `Parts` splits the work into that many load-then-store rounds (fewer live registers).
-template <bool KOuter, int Rows, int Parts = 1>
+//   `Permuted` (contraction-major only) writes each 16-step group in a_fragments' order:
+// steps (4t, 4t+1) at 2t and (4t+2, 4t+3) at 2t + 8, so that A taken that way from registers
+// meets B's steps in the same order (the mma.sync prescaled path pairs them alike).
+template <bool KOuter, int Rows, int Parts = 1, bool Permuted = false>
 struct HalfCodes {
+  static_assert(!(KOuter && Permuted), "k-outer B keeps the natural order (a_fragments reads A to match)");
   static_assert(THREADS % Rows == 0 || Rows % THREADS == 0, "whole rows per thread");
   static constexpr int RUNS = Rows * HALF_K / 16 / THREADS / Parts;         // contraction-major
   static constexpr int BLOCKS = Rows / 4 * (HALF_K / 8) / THREADS / Parts;  // k-outer
@@ -1004,10 +1043,17 @@ struct HalfCodes {
       for (int i = 0; i < RUNS; ++i) {
         const int run = (tid + i * THREADS) / Rows;
         uint4 lo, hi;
-        e4m3x4_to_f16_scaled(w[4 * i], mul[i], lo.x, lo.y);
-        e4m3x4_to_f16_scaled(w[4 * i + 1], mul[i], lo.z, lo.w);
-        e4m3x4_to_f16_scaled(w[4 * i + 2], mul[i], hi.x, hi.y);
-        e4m3x4_to_f16_scaled(w[4 * i + 3], mul[i], hi.z, hi.w);
+        if constexpr (Permuted) {
+          e4m3x4_to_f16_scaled(w[4 * i], mul[i], lo.x, hi.x);
+          e4m3x4_to_f16_scaled(w[4 * i + 1], mul[i], lo.y, hi.y);
+          e4m3x4_to_f16_scaled(w[4 * i + 2], mul[i], lo.z, hi.z);
+          e4m3x4_to_f16_scaled(w[4 * i + 3], mul[i], lo.w, hi.w);
+        } else {
+          e4m3x4_to_f16_scaled(w[4 * i], mul[i], lo.x, lo.y);
+          e4m3x4_to_f16_scaled(w[4 * i + 1], mul[i], lo.z, lo.w);
+          e4m3x4_to_f16_scaled(w[4 * i + 2], mul[i], hi.x, hi.y);
+          e4m3x4_to_f16_scaled(w[4 * i + 3], mul[i], hi.z, hi.w);
+        }
         store_f16_chunk(dst, row, 2 * run, lo);
         store_f16_chunk(dst, row, 2 * run + 1, hi);
       }
@@ -1032,6 +1078,40 @@ struct HalfCodes {
     }
   }
 };
+
+// This thread's A fragments of half `h` of a contraction-major code stage (GG_MXFP8_REG_A): for
+// each k16 step s, the m16n8k16 A fragment of its warp's 16 rows of its warpgroup's 64 (rows
+// g and g + 8, g = lane / 4), converted to f16 times the rows' relative scales. `Permuted`:
+// registers 0 / 2 (row g) and 1 / 3 (row g + 8) take the f16 pairs of one 4-code word, steps
+// 4t..4t+3 (t = lane % 4; B written alike: HalfCodes); else the natural steps (2t, 2t+1) and
+// (2t + 8, 2t + 9), two codes a load (a k-outer B is not rewritten). The stage's swizzle puts
+// the eight rows g of a load in eight 16-byte bank groups: no bank conflicts either way.
+template <bool Permuted>
+__device__ __forceinline__ void a_fragments(const uint8_t* codes, const uint32_t (&scale)[KB_PER_TILE][BM], int h,
+                                            uint32_t (&a)[HALF_K / 16][4]) {
+  const int lane = threadIdx.x % 32;
+  const int row = (threadIdx.x / 128) * WARP_M + (threadIdx.x / 32 % 4) * 16 + lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < HALF_K / 16; ++s) {
+    const int k = h * HALF_K + 16 * s;
+    const uint32_t top = scale[k / MX_BLOCK][row], bottom = scale[k / MX_BLOCK][row + 8];
+    if constexpr (Permuted) {
+      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(codes + swizzled(row, k + 4 * t));
+      const uint32_t w1 = *reinterpret_cast<const uint32_t*>(codes + swizzled(row + 8, k + 4 * t));
+      e4m3x4_to_f16_scaled(w0, top, a[s][0], a[s][2]);
+      e4m3x4_to_f16_scaled(w1, bottom, a[s][1], a[s][3]);
+    } else {
+      const auto pair = [&](int r, int step) -> uint32_t {
+        return *reinterpret_cast<const uint16_t*>(codes + swizzled(r, k + step));
+      };
+      a[s][0] = e4m3x2_to_f16_scaled(pair(row, 2 * t), top);
+      a[s][1] = e4m3x2_to_f16_scaled(pair(row + 8, 2 * t), bottom);
+      a[s][2] = e4m3x2_to_f16_scaled(pair(row, 2 * t + 8), top);
+      a[s][3] = e4m3x2_to_f16_scaled(pair(row + 8, 2 * t + 8), bottom);
+    }
+  }
+}
 
 // Zeros in the contraction steps [steps, BK) of a swizzled stage of `Rows` rows (past the
 // tile's contraction: TMA copied whatever lies there, another group's rows or tokens).
@@ -1074,6 +1154,10 @@ __device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t b
   uint8_t* f16 = reinterpret_cast<uint8_t*>(stages + WG_STAGES);  // buffer h (of F16_BUFS): A, then B
   const int32_t* ref_a = ref;
   const int32_t* ref_b = ref + BM;
+  // A from registers (GG_MXFP8_REG_A): fwd / dgrad, whose A is contraction-major; B's f16 then
+  // in a_fragments' order where B is contraction-major too (fwd).
+  constexpr bool REG_A = GG_MXFP8_REG_A && !AKOuter && Halves == 2;
+  constexpr bool PERMUTED = REG_A && !BKOuter;
   const int warpgroup = threadIdx.x / 128;
   const int64_t tiles = (kb_end - kb_begin + KB_PER_TILE - 1) / KB_PER_TILE;
   uint64_t* bars = reinterpret_cast<uint64_t*>(__cvta_shared_to_generic(bars_at));
@@ -1107,20 +1191,28 @@ __device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t b
       uint8_t* fb = fa + F16_A;
       const uint32_t fa_at = f16_at + buf * (F16_A + F16_B), fb_at = fa_at + F16_A;
       HalfCodes<AKOuter, BM> ca;
-      HalfCodes<BKOuter, Halves * BN, Halves> cb;  // B's rows in Halves rounds: fewer live registers
+      HalfCodes<BKOuter, Halves * BN, Halves, PERMUTED> cb;  // B's rows in Halves rounds: fewer live registers
+      uint32_t af[HALF_K / 16][4];                              // REG_A: this half's A fragments
       if constexpr (Plan::F16_BUFS == 1) {
         // One buffer: every MMA has retired (waited below), so nothing is left to overlap the
         // loads with, and converting one operand at a time holds fewer registers.
         if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read the buffer
-        ca.load(current.a, current.sa, h);
-        ca.store(fa);
+        if constexpr (REG_A) {
+          a_fragments<PERMUTED>(current.a, current.sa, h, af);
+        } else {
+          ca.load(current.a, current.sa, h);
+          ca.store(fa);
+        }
         cb.load(current.b, current.sb, h, 0);
         cb.store(fb, 0);
       } else {
-        ca.load(current.a, current.sa, h);
+        if constexpr (REG_A)
+          a_fragments<PERMUTED>(current.a, current.sa, h, af);
+        else
+          ca.load(current.a, current.sa, h);
         cb.load(current.b, current.sb, h, 0);
         if (h == 1) __syncthreads();  // every warpgroup has retired the MMAs that read buffer 1
-        ca.store(fa);
+        if constexpr (!REG_A) ca.store(fa);
         cb.store(fb, 0);
       }
 #pragma unroll
@@ -1132,8 +1224,12 @@ __device__ __forceinline__ void wgmma_stages(WgStage<Halves>* stages, uint32_t b
       __syncthreads();
       wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < HALF_K / 16; ++s)
-        wgmma_f16(acc, swizzled_desc(fa_at + warpgroup * WARP_M * SWIZZLE_ROW + s * 32), swizzled_desc(fb_at + s * 32));
+      for (int s = 0; s < HALF_K / 16; ++s) {
+        if constexpr (REG_A)
+          wgmma_f16(acc, af[s], swizzled_desc(fb_at + s * 32));
+        else
+          wgmma_f16(acc, swizzled_desc(fa_at + warpgroup * WARP_M * SWIZZLE_ROW + s * 32), swizzled_desc(fb_at + s * 32));
+      }
       wgmma_commit();
       wgmma_wait<Plan::F16_BUFS - 1>();  // the other buffer's MMAs are done (with one, all are)
     }
