@@ -297,6 +297,36 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
     assert sqnr_db(outs[1], outs[0]) >= 90.0
 
 
+@pytest.mark.parametrize(("op", "k_outer"), [("fwd", False), ("dgrad", True), ("dgrad", False)])
+def test_register_a_matches_the_shared_memory_path(tmp_path, gen, op, k_outer):
+    """GG_MXFP8_REG_A=1 (A to wgmma from registers, contraction order permuted alike in A and
+    B, or B's natural order for a k-outer weight) against the default build: the same
+    products summed in another order (empty and partial groups, a partial last stage,
+    columns short of a tile)."""
+    arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
+    register_a = build.compile_extension(arch, tmp_path, defines=("GG_MXFP8_REG_A=1",))
+    fast = build.ensure(arch, "cuda").module
+    groups, m, n, k = 3, 300, 224, 416
+    splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
+    ends = torch.cumsum(splits, 0, dtype=torch.int32)
+    tile_ends = torch.cumsum((splits + 127) // 128, 0, dtype=torch.int32)
+    contraction, columns = (k, n) if op == "fwd" else (n, k)
+    a = quantize_mx(torch.randn(m, contraction, generator=gen).to(DEVICE), "e4m3", axis=1)
+    w = quantize_mx_weight(torch.randn(groups, n, k, generator=gen).to(DEVICE), "e4m3", op=op)
+    w_data, w_scale = w.data, w.scale
+    if op == "dgrad" and not k_outer:
+        w_data, w_scale = w.data.transpose(1, 2).contiguous(), w.scale.transpose(1, 2).contiguous()
+    outs = []
+    for module in (fast, register_a):
+        out = poison(torch.empty(m, columns, device=DEVICE))
+        module.rows_gemm(a.data, a.scale, w_data, w_scale, ends, tile_ends, 3 + groups, out, k_outer)
+        outs.append(out)
+    call = gg.grouped_gemm if op == "fwd" else gg.grouped_gemm_dgrad
+    want = call(a, w, [100, 0, 200], recipe="mxfp8", out_dtype=torch.float32, backend="reference")
+    assert sqnr_db(outs[1], want) >= MIN_SQNR
+    assert sqnr_db(outs[1], outs[0]) >= 90.0
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_k_outer_operands_equal_their_transposed_copies(out_dtype, gen):
     """dgrad's weight and wgrad's token-major operands are read as quantized and transposed on

@@ -131,10 +131,11 @@ def arch_flags(arch: str) -> list[str]:
     return [f"--offload-arch={arch}"]
 
 
-def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any:
+def compile_extension(arch: str, directory: Path, portable: bool = False, defines: tuple[str, ...] = ()) -> Any:
     """Build (or load the up-to-date build of) the extension in ``directory``. ``portable``
     compiles the ROCm inner product (software E4M3 decode, fp32 FMAs) for a CUDA GPU, so
-    the GPU tests can check that path where no ROCm compiler is.
+    the GPU tests can check that path where no ROCm compiler is; ``defines`` (``NAME=VALUE``)
+    set the header's A/B knobs, for the GPU tests of a path not yet on by default.
 
     The sources are copied into ``directory/src`` first: on ROCm, PyTorch's hipify writes
     converted files next to the sources, which an installed package may not allow."""
@@ -147,7 +148,9 @@ def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any
         content = (CSRC / name).read_bytes()
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
-    name = f"gg_hip_mxfp8_{'portable_' if portable else ''}{source_hash()}"
+    flags = (["GG_MXFP8_PORTABLE"] if portable else []) + list(defines)
+    variant = "_" + hashlib.sha256("+".join(defines).encode()).hexdigest()[:8] if defines else ""
+    name = f"gg_hip_mxfp8_{'portable_' if portable else ''}{source_hash()}{variant}"
     if not (directory / f"{name}.so").exists():
         # A minute of nvcc in the middle of a first call looks like a hang without this.
         LOGGER.warning(
@@ -160,7 +163,7 @@ def compile_extension(arch: str, directory: Path, portable: bool = False) -> Any
         name=name,
         sources=[str(sources / "binding.cu")],
         extra_include_paths=[str(sources)],
-        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch), *(["-DGG_MXFP8_PORTABLE"] if portable else [])],
+        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(arch), *(f"-D{flag}" for flag in flags)],
         build_directory=str(directory),
         verbose=False,
     )
