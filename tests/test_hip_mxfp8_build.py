@@ -329,6 +329,54 @@ def _local_accesses_in_mma_loops(function_sass: str) -> list[str]:
     return [text for body in innermost for text in body if re.search(r"\b(LDL|STL)\b", text)]
 
 
+def _register_a_overwritten_in_flight(function_sass: str) -> list[str]:
+    """Instructions of one function's SASS that write an A register of a register-sourced
+    HGMMA before its group has retired. In the main loop (the backward branch around the
+    HGMMAs) groups are runs of HGMMAs, each followed by ``WARPGROUP.DEPBAR.LE gsb0, 0x1``
+    (one group left in flight): a group's A registers are read until the DEPBAR after the
+    next group, through the back edge for the loop's last group."""
+    address = re.compile(r"/\*([0-9a-f]{4,})\*/")
+    code = [(int(m.group(1), 16), line) for line in function_sass.splitlines() if (m := address.search(line))]
+    hgmma = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
+    issued = [i for i, (_, line) in enumerate(code) if hgmma.search(line)]
+    if not issued:
+        return []
+    first, last = code[issued[0]][0], code[issued[-1]][0]
+    loops = [
+        (int(b.group(1), 16), at)
+        for at, line in code
+        if (b := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line)) and int(b.group(1), 16) <= first and at >= last
+    ]
+    start, end = min(loops, key=lambda loop: loop[1] - loop[0])  # the innermost such loop
+    body = [i for i, (at, _) in enumerate(code) if start <= at <= end]
+    groups, current = [], []
+    for i in body:
+        if hgmma.search(code[i][1]):
+            current.append(i)
+        elif "WARPGROUP.DEPBAR" in code[i][1] and current:
+            groups.append((current, i))
+            current = []
+
+    def written(i: int) -> str | None:
+        parts = re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", code[i][1]).split(";")[0].split()
+        if len(parts) < 2 or re.match(r"(ST|BRA|BAR|WARPGROUP|HGMMA|RED|ATOM|SYNCS|UTMA|LDGSTS|DEPBAR)", parts[0]):
+            return None
+        return parts[1].rstrip(",")
+
+    found = []
+    for j, (members, _) in enumerate(groups):
+        retired = groups[(j + 1) % len(groups)][1]
+        for issue in members:  # its A registers are read from here until the group retires
+            registers = {f"R{int(hgmma.search(code[issue][1]).group(1)) + r}" for r in range(4)}
+            after = (
+                range(issue + 1, retired)
+                if retired > issue
+                else [*range(issue + 1, body[-1] + 1), *range(body[0], retired)]
+            )
+            found += [code[i][1].strip() for i in after if written(i) in registers]
+    return found
+
+
 @pytest.mark.skipif(not (_NVCC and _CUOBJDUMP), reason="needs nvcc and cuobjdump")
 @pytest.mark.parametrize(
     ("target", "defines", "instruction"),
@@ -396,6 +444,12 @@ def test_kernel_compiles_with_spills_only_in_wgrad(tmp_path, target, defines, in
         assert "serializ" not in compiled.stderr, compiled.stderr
         assert "HMMA.16816.F32" in sass and "LDGSTS" in sass  # the per-block path
         assert "UTMALDG.2D" in sass  # the wgmma path's stages, copied by TMA
+    if defines == ["-DGG_MXFP8_REG_A=1"]:
+        # wgmma reads register A asynchronously: nothing may write it until its group retires.
+        rows = [f for f in re.split(r"\bFunction : ", sass)[1:] if "rows_kernel" in f.split("\n", 1)[0]]
+        assert len(rows) == 4 and all(re.search(r"HGMMA\.64x256x16\.F32\S* R\d+, R\d+,", f) for f in rows)
+        for function in rows:
+            assert not _register_a_overwritten_in_flight(function), function.split("\n", 1)[0]
     if defines == ["-DGG_MXFP8_WGMMA=0"]:
         assert "HMMA.16816.F32" in sass
         # On both paths each E4M3 fragment register is converted once (two F2FP) and feeds
