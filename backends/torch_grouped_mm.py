@@ -207,7 +207,7 @@ class TorchGroupedMMBackend(Backend):
         if problem.m == 0:
             return inputs.output(problem)
         offsets = inputs.offsets(a.device)
-        result = _GROUPED_MM(a, w.transpose(-2, -1) if problem.op == "fwd" else w, offs=offsets)
+        result = _GROUPED_MM(a, w.mT if problem.op == "fwd" else w, offs=offsets)
         if inputs.out is None:
             return result
         return inputs.out.copy_(result)
