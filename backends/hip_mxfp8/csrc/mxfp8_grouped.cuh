@@ -902,11 +902,16 @@ __device__ __forceinline__ void stage_math(const uint8_t* sa_codes, const uint8_
 //   wgmma (`Wg`): warpgroup w / 4 owns rows 64 (w / 4) + [0, 64), warp w % 4 rows 16 (w % 4) + [0, 16)
 //   of them, and every column: acc[mi][ni] of column half h is the m64n(128 Halves)
 //   accumulator's fragment 16 h + 4 mi + ni (columns here relative to the half).
+// The first row of warp `warp`'s fragments in the wgmma layout (its rows g and g + 8 add
+// lane / 4): warpgroup warp / 4's rows 64 (warp / 4) + [0, 64), 16 of them per warp.
+// for_each_acc_pair's accumulators and a_fragments' A rows, which must be the same.
+__device__ __forceinline__ int wg_warp_row(int warp) { return (warp / 4) * WARP_M + (warp % 4) * 16; }
+
 template <bool Wg, typename A, typename F>
 __device__ __forceinline__ void for_each_acc_pair(A& acc, F f) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wrow = (Wg ? (warp / 4) * WARP_M + (warp % 4) * 16 : (warp / (BN / WARP_N)) * WARP_M) + lane / 4;
+  const int wrow = (Wg ? wg_warp_row(warp) : (warp / (BN / WARP_N)) * WARP_M) + lane / 4;
   const int wcol = (Wg ? 0 : (warp % (BN / WARP_N)) * WARP_N) + 2 * (lane % 4);
 #pragma unroll
   for (int mi = 0; mi < FRAG_M; ++mi)
@@ -1088,7 +1093,7 @@ template <bool Permuted>
 __device__ __forceinline__ void a_fragments(const uint8_t* codes, const uint32_t (&scale)[KB_PER_TILE][BM], int h,
                                             uint32_t (&a)[HALF_K / 16][4]) {
   const int lane = threadIdx.x % 32;
-  const int row = (threadIdx.x / 128) * WARP_M + (threadIdx.x / 32 % 4) * 16 + lane / 4;
+  const int row = wg_warp_row(threadIdx.x / 32) + lane / 4;
   const int t = lane % 4;
 #pragma unroll
   for (int s = 0; s < HALF_K / 16; ++s) {
