@@ -307,10 +307,10 @@ def _spills_by_kernel(ptxas_log: str) -> dict[str, int]:
     return spills
 
 
-def _local_accesses_in_mma_loops(function_sass: str) -> list[str]:
-    """LDL / STL lines inside an innermost loop that issues MMAs (wgmma, mma.sync f16 or
+def _mma_loop_bodies(function_sass: str) -> list[list[str]]:
+    """The lines, in order, of each innermost loop that issues MMAs (wgmma, mma.sync f16 or
     fp8; a loop: the range from a backward branch's target to the branch) of one
-    function's SASS: a main loop's body, not the column passes around it."""
+    function's SASS: its main loops, not the column passes around them."""
     address = re.compile(r"/\*([0-9a-f]{4,})\*/")
     code = [(int(m.group(1), 16), line) for line in function_sass.splitlines() if (m := address.search(line))]
     loops = []
@@ -321,59 +321,51 @@ def _local_accesses_in_mma_loops(function_sass: str) -> list[str]:
             body = [text for where, text in code if target <= where <= at]
             if any(re.search(r"\b(HGMMA|HMMA|QMMA)\.", text) for text in body):
                 loops.append((target, at, body))
-    innermost = [
+    return [
         body
         for lo, hi, body in loops
         if not any(lo <= o_lo and o_hi <= hi and (o_lo, o_hi) != (lo, hi) for o_lo, o_hi, _ in loops)
     ]
-    return [text for body in innermost for text in body if re.search(r"\b(LDL|STL)\b", text)]
+
+
+def _local_accesses_in_mma_loops(function_sass: str) -> list[str]:
+    """LDL / STL lines inside an innermost loop that issues MMAs (``_mma_loop_bodies``)."""
+    return [text for body in _mma_loop_bodies(function_sass) for text in body if re.search(r"\b(LDL|STL)\b", text)]
+
+
+def _register_written(line: str) -> str | None:
+    """The register a SASS instruction writes first (its destination), None for stores,
+    branches, barriers and MMAs."""
+    parts = re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split(";")[0].split()
+    if len(parts) < 2 or re.match(r"(ST|BRA|BAR|WARPGROUP|HGMMA|RED|ATOM|SYNCS|UTMA|LDGSTS|DEPBAR)", parts[0]):
+        return None
+    return parts[1].rstrip(",")
 
 
 def _register_a_overwritten_in_flight(function_sass: str) -> list[str]:
-    """Instructions of one function's SASS that write an A register of a register-sourced
-    HGMMA before its group has retired. In the main loop (the backward branch around the
-    HGMMAs) groups are runs of HGMMAs, each followed by ``WARPGROUP.DEPBAR.LE gsb0, 0x1``
-    (one group left in flight): a group's A registers are read until the DEPBAR after the
-    next group, through the back edge for the loop's last group."""
-    address = re.compile(r"/\*([0-9a-f]{4,})\*/")
-    code = [(int(m.group(1), 16), line) for line in function_sass.splitlines() if (m := address.search(line))]
+    """Instructions that write an A register of a register-sourced HGMMA before its group
+    has retired. In a main loop (``_mma_loop_bodies``) groups are runs of HGMMAs, each
+    followed by ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one group left in flight): an HGMMA's
+    A registers are read until the DEPBAR after the next group, through the back edge for
+    the loop's last group."""
     hgmma = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
-    issued = [i for i, (_, line) in enumerate(code) if hgmma.search(line)]
-    if not issued:
-        return []
-    first, last = code[issued[0]][0], code[issued[-1]][0]
-    loops = [
-        (int(b.group(1), 16), at)
-        for at, line in code
-        if (b := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", line)) and int(b.group(1), 16) <= first and at >= last
-    ]
-    start, end = min(loops, key=lambda loop: loop[1] - loop[0])  # the innermost such loop
-    body = [i for i, (at, _) in enumerate(code) if start <= at <= end]
-    groups, current = [], []
-    for i in body:
-        if hgmma.search(code[i][1]):
-            current.append(i)
-        elif "WARPGROUP.DEPBAR" in code[i][1] and current:
-            groups.append((current, i))
-            current = []
-
-    def written(i: int) -> str | None:
-        parts = re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", code[i][1]).split(";")[0].split()
-        if len(parts) < 2 or re.match(r"(ST|BRA|BAR|WARPGROUP|HGMMA|RED|ATOM|SYNCS|UTMA|LDGSTS|DEPBAR)", parts[0]):
-            return None
-        return parts[1].rstrip(",")
-
     found = []
-    for j, (members, _) in enumerate(groups):
-        retired = groups[(j + 1) % len(groups)][1]
-        for issue in members:  # its A registers are read from here until the group retires
-            registers = {f"R{int(hgmma.search(code[issue][1]).group(1)) + r}" for r in range(4)}
-            after = (
-                range(issue + 1, retired)
-                if retired > issue
-                else [*range(issue + 1, body[-1] + 1), *range(body[0], retired)]
-            )
-            found += [code[i][1].strip() for i in after if written(i) in registers]
+    for body in _mma_loop_bodies(function_sass):
+        groups, current = [], []
+        for i, line in enumerate(body):
+            if hgmma.search(line):
+                current.append(i)
+            elif "WARPGROUP.DEPBAR" in line and current:
+                groups.append((current, i))
+                current = []
+        for j, (members, _) in enumerate(groups):
+            retired = groups[(j + 1) % len(groups)][1]
+            for issue in members:
+                registers = {f"R{int(hgmma.search(body[issue]).group(1)) + r}" for r in range(4)}
+                after = (
+                    range(issue + 1, retired) if retired > issue else [*range(issue + 1, len(body)), *range(retired)]
+                )
+                found += [body[i].strip() for i in after if _register_written(body[i]) in registers]
     return found
 
 
