@@ -299,13 +299,13 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
 
 @pytest.mark.parametrize(("op", "k_outer"), [("fwd", False), ("dgrad", True), ("dgrad", False)])
 def test_register_a_matches_the_shared_memory_path(tmp_path, gen, op, k_outer):
-    """GG_MXFP8_REG_A=1 (A to wgmma from registers, contraction order permuted alike in A and
-    B, or B's natural order for a k-outer weight) against the default build: the same
-    products summed in another order (empty and partial groups, a partial last stage,
-    columns short of a tile)."""
+    """The default build (A to wgmma from registers, contraction order permuted alike in A and
+    B, or B's natural order for a k-outer weight) against GG_MXFP8_REG_A=0 (A through shared
+    memory): the same products (empty and partial groups, a partial last stage, columns short
+    of a tile)."""
     arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
-    register_a = build.compile_extension(arch, tmp_path, defines=("GG_MXFP8_REG_A=1",))
-    fast = build.ensure(arch, "cuda").module
+    shared_a = build.compile_extension(arch, tmp_path, defines=("GG_MXFP8_REG_A=0",))
+    register_a = build.ensure(arch, "cuda").module
     groups, m, n, k = 3, 300, 224, 416
     splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
     ends = torch.cumsum(splits, 0, dtype=torch.int32)
@@ -317,7 +317,7 @@ def test_register_a_matches_the_shared_memory_path(tmp_path, gen, op, k_outer):
     if op == "dgrad" and not k_outer:
         w_data, w_scale = w.data.transpose(1, 2).contiguous(), w.scale.transpose(1, 2).contiguous()
     outs = []
-    for module in (fast, register_a):
+    for module in (shared_a, register_a):
         out = poison(torch.empty(m, columns, device=DEVICE))
         module.rows_gemm(a.data, a.scale, w_data, w_scale, ends, tile_ends, 3 + groups, out, k_outer)
         outs.append(out)

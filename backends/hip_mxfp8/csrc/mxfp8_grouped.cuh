@@ -66,10 +66,11 @@
 #define GG_MXFP8_WGMMA 1
 #endif
 // 1 gives fwd / dgrad's A operand to wgmma in registers, converted from the code stage in the
-// fragment's order, instead of through an f16 tile in shared memory (a_fragments). Off until it
-// has run on a GPU (A/B: benchmarks/hip_mxfp8_ab.py, variant `csrc:GG_MXFP8_REG_A=1`).
+// fragment's order (a_fragments); 0 passes it through an f16 tile in shared memory like B. On an
+// H100, 1 took 0.83-0.96x the time of 0 on the nine compute-bound cases, bit for bit the same
+// results (2026-12-06, docs/performance.md, the twenty-third session).
 #ifndef GG_MXFP8_REG_A
-#define GG_MXFP8_REG_A 0
+#define GG_MXFP8_REG_A 1
 #endif
 // Whether this compilation's device code runs the prescaled path on wgmma (sm_90a only; the
 // host pass sizes shared memory from the device's compute capability instead).
