@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from grouped_gemm import api
-from grouped_gemm.errors import InvalidTypeError
+from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
 from grouped_gemm.group_offsets import GroupOffsets
 from grouped_gemm.main_grad import accumulate_wgrad
 from grouped_gemm.mx import MXTensor
@@ -47,7 +47,12 @@ def split_args(m_splits: Any) -> tuple[list[int] | None, torch.Tensor | None]:
 
 
 def splits_from_args(splits: Sequence[int] | None, splits_tensor: torch.Tensor | None) -> Splits:
-    """Inverse of ``split_args``."""
+    """Inverse of ``split_args``. The ops take exactly one: given both, which would win is
+    a guess (they may disagree), so that is refused."""
+    if splits is not None and splits_tensor is not None:
+        raise InvalidArgumentError(
+            "splits_tensor", splits_tensor, "None when splits is given (the ops take exactly one of the two)"
+        )
     return list(splits) if splits is not None else splits_tensor
 
 

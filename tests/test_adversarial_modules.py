@@ -246,6 +246,23 @@ def test_bias_grad_op_checks_its_splits(splits, splits_tensor, error, gen):
         torch.ops.grouped_gemm.bias_grad(dy, splits, splits_tensor)
 
 
+@pytest.mark.parametrize("op", ["fwd", "wgrad", "bias_grad"])
+def test_ops_refuse_both_splits_forms(op, gen):
+    """The ops take exactly one of splits and splits_tensor; given both (here disagreeing)
+    they used the list and ignored the tensor."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    dy = torch.randn(sum(SPLITS), N, generator=gen)
+    w = torch.randn(G, N, K, generator=gen)
+    both = (SPLITS, torch.tensor(SPLITS[::-1]))
+    call = {
+        "fwd": lambda: torch.ops.grouped_gemm.fwd(x, [w], None, *both, "fp32", None),
+        "wgrad": lambda: torch.ops.grouped_gemm.wgrad(dy, x, *both, "fp32"),
+        "bias_grad": lambda: torch.ops.grouped_gemm.bias_grad(dy, *both),
+    }[op]
+    with pytest.raises(gg.InvalidArgumentError, match=r"^splits_tensor=.*exactly one"):
+        call()
+
+
 def test_bias_grad_op_sums_each_group(gen):
     dy = torch.randn(7, N, generator=gen)
     for splits, splits_tensor in (([2, 0, 5], None), (None, torch.tensor([2, 0, 5]))):
