@@ -46,12 +46,22 @@ class GroupOffsets:
     ``splits``: (G,) integer group sizes (a private copy: later edits of the caller's list or
     tensor do not reach it). ``ends``: (G,) int32 ``[m0, m0+m1, ..., M]`` on the same device.
     ``total``: the row count when the sizes were known on the host (then checked against M
-    on every call for free), else None. Treat both tensors as read-only.
+    on every call for free), else None. Both tensors are read-only: ``ends`` and ``total``
+    would no longer match edited sizes, so a call given offsets whose tensors were written
+    in place since (their ``_version``) is refused; new sizes take a new ``gg.offsets``.
     """
 
     splits: torch.Tensor
     ends: torch.Tensor
     total: int | None
+    versions: tuple[int, int] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "versions", (self.splits._version, self.ends._version))
+
+    def written(self) -> bool:
+        """Whether ``splits`` or ``ends`` was written in place since they were built."""
+        return (self.splits._version, self.ends._version) != self.versions
 
     @property
     def device(self) -> torch.device:

@@ -396,6 +396,13 @@ def splits_operand(
     if isinstance(m_splits, (list, tuple)):
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if type(m_splits) is GroupOffsets:
+        if m_splits.written():
+            raise SplitsError(
+                "m_splits",
+                m_splits,
+                "gg.offsets(...) as built: its splits or ends were written in place since, so its ends "
+                "no longer match its sizes (new sizes take a new gg.offsets)",
+            )
         if m_splits.total is not None and m_splits.total != rows:
             raise SplitsError(
                 "m_splits",

@@ -148,6 +148,21 @@ def test_group_offsets_hold_a_private_copy(splits, form):
     assert gg.offsets(offs) is offs
 
 
+@pytest.mark.parametrize("tensor", ["splits", "ends"])
+@pytest.mark.parametrize("host", [True, False])
+def test_offsets_written_in_place_are_refused(tensor, host, gen):
+    """New sizes written into a GroupOffsets (same total, so nothing else would notice)
+    left its ends as they were: backends that read the ends routed rows by the old sizes,
+    the others by the new ones."""
+    x, w = torch.randn(8, 4, generator=gen), torch.randn(3, 4, 4, generator=gen)
+    offs = gg.offsets([3, 0, 5] if host else torch.tensor([3, 0, 5]))
+    assert torch.allclose(gg.grouped_gemm(x, w, offs), gg.grouped_gemm(x, w, [3, 0, 5]))
+    getattr(offs, tensor).copy_(torch.tensor([8, 0, 0] if tensor == "splits" else [8, 8, 8]))
+    with pytest.raises(gg.SplitsError, match="written in place"):
+        gg.grouped_gemm(x, w, offs)
+    assert torch.allclose(gg.grouped_gemm(x, w, gg.offsets([8, 0, 0])), x @ w[0].T)
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "needle"),
     [
