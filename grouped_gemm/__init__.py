@@ -53,6 +53,7 @@ from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
 from grouped_gemm.splits import balanced_splits, skewed_splits
+from grouped_gemm.updates import mark_updated
 
 __version__ = "0.1.0"
 
@@ -101,6 +102,7 @@ __all__ = [
     "grouped_linear",
     "hookimpl",
     "list_backends",
+    "mark_updated",
     "offsets",
     "ops",
     "plugin_failures",

@@ -18,6 +18,7 @@ from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidArgument
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipe_codec import recipe_from_key, recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
+from grouped_gemm.updates import write_stamp
 from grouped_gemm.vocabulary import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
@@ -69,12 +70,12 @@ class FrozenWeights:
     weights were when they were made (to refuse a forward once they changed)."""
 
     quantized: dict[str, MXTensor]
-    stamp: tuple[tuple[int, int, int], ...]
+    stamp: tuple[tuple[int, int, tuple[int, int]], ...]
 
 
-def _stamp(weights: list[torch.nn.Parameter]) -> tuple[tuple[int, int, int], ...]:
-    """Identity, storage and in-place version of each weight."""
-    return tuple((id(w), w.data_ptr(), w._version) for w in weights)
+def _stamp(weights: list[torch.nn.Parameter]) -> tuple[tuple[int, int, tuple[int, int]], ...]:
+    """Identity, storage and in-place writes (``write_stamp``) of each weight."""
+    return tuple((id(w), w.data_ptr(), write_stamp(w)) for w in weights)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -182,8 +183,10 @@ class GroupedLinear(torch.nn.Module):
 
         Updates are not seen until this is called again: a forward refuses to run when a
         weight changed in place or was replaced since (``_version`` / storage / identity;
-        writes through ``.data`` escape that check, and a CUDA graph replay runs no Python
-        check at all), and refuses to run while the weights require grad under grad mode
+        writes torch does not count, such as ``torch.distributed`` collectives or writes
+        through ``.data``, escape that check unless declared with ``gg.mark_updated``, and
+        a CUDA graph replay runs no Python check at all), and refuses to run while the
+        weights require grad under grad mode
         (an optimizer would make the copy stale). ``backward=True`` also quantizes dgrad's
         copy (blocks along N), for gradients to the input through frozen weights; it costs
         as much memory again. Needs whole MX blocks along ``in_features`` (and along
@@ -286,6 +289,12 @@ class GroupedLinear(torch.nn.Module):
         if self.use_bias:
             bias = self.bias if not self.separate_weights else self._stacked_biases()
         weight = self.weights if self.separate_weights else self.weight
+        if not self.separate_weights:
+            shape = (self.num_groups, self.out_features, self.in_features)
+            if weight.shape != shape:
+                # A parameter replaced by one of another shape: named here, not as the bias or
+                # the splits that would disagree with it further down.
+                raise ShapeError("weight", weight, f"(num_groups, out_features, in_features)={shape}, as built")
         frozen = self._frozen_for(x)
         key = self._call_recipe_key(weight[0] if self.separate_weights else weight)
         return run_grouped_linear(x, weight, m_splits, bias, key, out, self.fuse_wgrad_accumulation, frozen)

@@ -325,6 +325,36 @@ def test_mx_frozen_weights_quantize_once_and_refuse_when_stale(on_reference, gen
     assert torch.equal(layer(x, splits), 2 * want)
 
 
+def test_mx_frozen_weights_refuse_a_declared_untracked_write(on_reference, gen):
+    """A write torch does not count (through ``.data`` here; a ``torch.distributed``
+    broadcast is another) escapes the frozen layer's check until ``gg.mark_updated``
+    declares it; then the layer refuses to run on its stale copy."""
+    layer = _mx_layer(bias=False)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer.freeze_quantized_weights()
+    before = layer(x, splits)
+    layer.weight.data.mul_(2)  # not counted by torch
+    assert torch.equal(layer(x, splits), before)  # the documented blind spot
+    gg.mark_updated(layer.weight)
+    with pytest.raises(gg.InvalidArgumentError, match="freeze_quantized_weights"):
+        layer(x, splits)
+    layer.freeze_quantized_weights()
+    assert torch.equal(layer(x, splits), 2 * before)
+
+
+def test_a_replaced_weight_of_another_shape_is_named(gen):
+    """A weight parameter replaced by one with more experts was reported as a bad bias, or
+    (without bias) as splits of the wrong length."""
+    for bias in (True, False):
+        layer = gg.GroupedLinear(3, 8, 4, bias=bias, dtype=torch.float32)
+        layer.weight = torch.nn.Parameter(torch.randn(4, 4, 8, generator=gen))
+        with pytest.raises(gg.ShapeError, match=r"^weight=.*\(3, 4, 8\)"):
+            layer(torch.randn(5, 8, generator=gen), [2, 0, 3])
+
+
 def test_mx_frozen_weights_give_input_gradients_with_backward_copy(on_reference, gen):
     layer = _mx_layer(separate_weights=True)
     for p in layer.parameters():

@@ -164,6 +164,33 @@ def test_prequantized_operands_and_layout_cache(path, gen):
 
 
 @needs_interpreter
+def test_layout_cache_sees_declared_writes_and_inference_tensors(gen):
+    """The Hopper layout of a pre-quantized weight is keyed on its tensors' writes: one
+    torch does not count (a ``.data`` write here; a ``torch.distributed`` broadcast into a
+    served weight is another) is picked up once ``gg.mark_updated`` declares it, and a
+    weight made under ``torch.inference_mode`` (no version counter: its read raised) runs."""
+    splits = [9, 0, 30]
+    m, n, k = sum(splits), 64, 64
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1", op="fwd")
+    with emulated(PATHS["upcast"]):
+        first = _call("fwd", x, w, splits, "a16w4", NAME)
+        w.data.data.copy_(torch.randint(0, 256, w.data.shape, generator=gen, dtype=torch.uint8))
+        assert torch.equal(_call("fwd", x, w, splits, "a16w4", NAME), first)  # undeclared: the old layout
+        gg.mark_updated(w)
+        want = _call("fwd", x, w, splits, "a16w4", "reference")
+        assert sqnr_db(_call("fwd", x, w, splits, "a16w4", NAME), want) >= MIN_SQNR
+        with torch.inference_mode():
+            wi = quantize_mx_weight(torch.randn(3, n, k, generator=gen), "e2m1", op="fwd")
+            got = _call("fwd", x, wi, splits, "a16w4", NAME)
+            assert sqnr_db(got, _call("fwd", x, wi, splits, "a16w4", "reference")) >= MIN_SQNR
+            wi.data.copy_(torch.randint(0, 256, wi.data.shape, generator=gen, dtype=torch.uint8))
+            gg.mark_updated(wi)  # writes to inference tensors are never counted by torch
+            got = _call("fwd", x, wi, splits, "a16w4", NAME)
+            assert sqnr_db(got, _call("fwd", x, wi, splits, "a16w4", "reference")) >= MIN_SQNR
+
+
+@needs_interpreter
 @pytest.mark.parametrize("path", list(PATHS))
 def test_prequantized_dgrad_and_floor_scale_rule(path, gen):
     """dgrad with dy and w passed as MXTensors blocked along N; and high-precision inputs

@@ -36,7 +36,8 @@ Both ways of building a layout are one Triton launch over all groups
 (``weight_prep_kernel``): ``quantize_upcast_weight`` quantizes a high-precision weight
 straight into the layout, E2M1 or E4M3 (training: fresh weights every step), ``build_upcast_weight``
 rearranges an E2M1 ``MXTensor``. ``upcast_weight`` caches the latter per ``MXTensor``
-object (weakly keyed, invalidated when its tensors are modified in place).
+object (weakly keyed, invalidated when its tensors are modified in place, as torch counts
+it or as ``gg.mark_updated`` declares it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from grouped_gemm.backends.triton_mx import weight_prep_kernel
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
 from grouped_gemm.triton_launcher import CachedLauncher, cdiv
+from grouped_gemm.updates import write_stamp
 
 #: Contraction padding of the layout (one int32 of scales covers 128 elements).
 K_ALIGN = 128
@@ -225,14 +227,17 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-_cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[int, int], UpcastWeight]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[tuple[int, int], ...], UpcastWeight]] = (
+    weakref.WeakKeyDictionary()
+)
 _lock = threading.Lock()
 
 
 def upcast_weight(mx: MXTensor, build: Callable[..., UpcastWeight] | None = None) -> UpcastWeight:
     """``build(mx, check_scales=True)`` (default ``build_upcast_weight``), computed once per
-    MXTensor object and tensor version."""
-    version = (mx.data._version, mx.scale._version)
+    MXTensor object and write stamp of its tensors (``gg.mark_updated`` counts the writes
+    torch does not)."""
+    version = (write_stamp(mx.data), write_stamp(mx.scale))
     with _lock:
         hit = _cache.get(mx)
     if hit is not None and hit[0] == version:
