@@ -336,10 +336,11 @@ def check_grouped_matrices(value: Any, argument: str) -> tuple[Any, int, int, in
         return value, g, n, k, False
     if isinstance(value, (list, tuple)) and value:
         head = check_tensor(value[0], f"{argument}[0]", 2, "(N, K)")
+        what = "weight" if argument == "w" else argument
         checks = (
-            ("shape", ShapeError, "every group's weight has shape {}"),
-            ("dtype", DTypeError, "every group's weight has dtype {}"),
-            ("device", DeviceMismatchError, "every group's weight is on {}"),
+            ("shape", ShapeError, f"every group's {what} has shape {{}}"),
+            ("dtype", DTypeError, f"every group's {what} has dtype {{}}"),
+            ("device", DeviceMismatchError, f"every group's {what} is on {{}}"),
         )
         for i, item in enumerate(value[1:], 1):
             t = check_tensor(item, f"{argument}[{i}]", 2, "(N, K)")

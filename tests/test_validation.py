@@ -190,3 +190,11 @@ def test_first_overlap_matches_every_pair_checked():
         assert (found is not None) == any(shared(a, b) for a, b in pairs)
         if found is not None:
             assert found[0].written and shared(*found)
+
+
+def test_a_wgrad_out_list_is_named_as_out(gen):
+    """A mismatched group of wgrad's ``out`` list was described as a weight."""
+    dy, x = torch.randn(4, 3, generator=gen), torch.randn(4, 5, generator=gen)
+    out = [torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.bfloat16)]
+    with pytest.raises(gg.DTypeError, match=r"^out\[1\]=.*every group's out has dtype torch.float32"):
+        gg.grouped_gemm_wgrad(dy, x, [2, 2], out=out)
