@@ -18,6 +18,7 @@ from grouped_gemm.api import (
     grouped_gemm_dgrad,
     grouped_gemm_wgrad,
     list_backends,
+    mark_updated,
     plugin_failures,
     register_backend,
     reset_dispatch_stats,
@@ -53,7 +54,6 @@ from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import RECIPES, Recipe, get_recipe
 from grouped_gemm.splits import balanced_splits, skewed_splits
-from grouped_gemm.updates import mark_updated
 
 __version__ = "0.1.0"
 

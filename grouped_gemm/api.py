@@ -16,11 +16,13 @@ from grouped_gemm.device import DeviceInfo, described_device
 from grouped_gemm.dispatch import DISPATCHER, call_order, check_names, decide
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
 from grouped_gemm.group_offsets import host_split_ints
+from grouped_gemm.mx import MXTensor
 from grouped_gemm.plugins import PluginFailure
 from grouped_gemm.problem import OPS, Op, Problem, build_problem
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.splits import balanced_splits, skewed_splits
+from grouped_gemm.updates import count_writes
 from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, dtype_name
 
 #: Groups a described problem may have: its splits are built as a host list.
@@ -318,3 +320,25 @@ def dispatch_stats() -> dict[str, Any]:
 def reset_dispatch_stats() -> None:
     """Zero the counters and forget which fallback warnings were already shown."""
     DISPATCHER.reset_stats()
+
+
+def mark_updated(*weights: Any) -> None:
+    """Declare an in-place write torch did not count (``torch.distributed`` collectives,
+    writes through ``.data``, numpy / DLPack aliases, writes to inference tensors) to each
+    of ``weights``: tensors, ``MXTensor``s, or lists / tuples of them. Whatever the library
+    derived from them (a pre-quantized weight's kernel layout, a frozen layer's copy,
+    ``gg.offsets``' ends) is rebuilt, or refused, on the next call (``grouped_gemm.updates``)."""
+    count_writes(list(_written_tensors(weights, "weights")))
+
+
+def _written_tensors(value: Any, argument: str) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, MXTensor):
+        yield value.data
+        yield value.scale
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _written_tensors(item, f"{argument}[{i}]")
+    else:
+        raise InvalidTypeError(argument, value, "a torch.Tensor, an MXTensor, or a list / tuple of them")

@@ -23,6 +23,7 @@ import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, SplitsError
 from grouped_gemm.group_ends import copy_and_ends, group_ends
+from grouped_gemm.updates import write_stamp
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 
@@ -48,20 +49,21 @@ class GroupOffsets:
     ``total``: the row count when the sizes were known on the host (then checked against M
     on every call for free), else None. Both tensors are read-only: ``ends`` and ``total``
     would no longer match edited sizes, so a call given offsets whose tensors were written
-    in place since (their ``_version``) is refused; new sizes take a new ``gg.offsets``.
+    in place since (``write_stamp``) is refused; new sizes take a new ``gg.offsets``.
     """
 
     splits: torch.Tensor
     ends: torch.Tensor
     total: int | None
-    versions: tuple[int, int] = dataclasses.field(init=False, repr=False)
+    versions: tuple[tuple[int, int], tuple[int, int]] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "versions", (self.splits._version, self.ends._version))
+        object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
 
     def written(self) -> bool:
-        """Whether ``splits`` or ``ends`` was written in place since they were built."""
-        return (self.splits._version, self.ends._version) != self.versions
+        """Whether ``splits`` or ``ends`` was written in place since they were built (as
+        torch counts writes, or ``gg.mark_updated`` declares them)."""
+        return (write_stamp(self.splits), write_stamp(self.ends)) != self.versions
 
     @property
     def device(self) -> torch.device:

@@ -163,6 +163,19 @@ def test_offsets_written_in_place_are_refused(tensor, host, gen):
     assert torch.allclose(gg.grouped_gemm(x, w, gg.offsets([8, 0, 0])), x @ w[0].T)
 
 
+def test_offsets_built_under_inference_mode(gen):
+    """Inference tensors keep no version counter (reading it raises): offsets made in
+    ``torch.inference_mode`` work, and a write declared by ``gg.mark_updated`` is refused."""
+    x, w = torch.randn(8, 4, generator=gen), torch.randn(3, 4, 4, generator=gen)
+    with torch.inference_mode():
+        offs = gg.offsets([3, 0, 5])
+        assert torch.allclose(gg.grouped_gemm(x, w, offs), gg.grouped_gemm(x, w, [3, 0, 5]))
+        offs.splits.copy_(torch.tensor([8, 0, 0]))
+        gg.mark_updated(offs.splits)
+        with pytest.raises(gg.SplitsError, match="written in place"):
+            gg.grouped_gemm(x, w, offs)
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "needle"),
     [
