@@ -39,5 +39,8 @@ def count_writes(tensors: Iterable[torch.Tensor]) -> None:
 def write_stamp(t: torch.Tensor) -> tuple[int, int]:
     """What a cache of something derived from ``t`` keys on: torch's count of in-place
     writes (-1 for an inference tensor, which keeps none) and the declared writes."""
-    version = -1 if t.is_inference() else t._version
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor (tested this way: no extra call on the hot path)
+        version = -1
     return version, (_declared.get(id(t), 0) if _declared else 0)
