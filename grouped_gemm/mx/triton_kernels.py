@@ -242,3 +242,64 @@ def quantize_strided(
     out_row = j // PER
     ok = (out_row < padded // PER) & (i < inner)
     tl.store(data_ptr + (o * (padded // PER) + out_row) * inner + i, code.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def quantize_pair(
+    x_ptr,
+    k_data_ptr,
+    k_scale_ptr,
+    n_data_ptr,
+    n_scale_ptr,
+    rows,
+    cols,
+    padded_rows,
+    padded_cols,
+    row_tiles,
+    col_tiles,
+    BLOCK: tl.constexpr,
+    TILE_ROW_BLOCKS: tl.constexpr,
+    TILE_COL_BLOCKS: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """A ``(G, rows, cols)`` input quantized twice from one read (8-bit formats): blocks
+    along cols into ``k_*`` ``(G, rows, padded_cols)`` and along rows into ``n_*``
+    ``(G, padded_rows, cols)``, each exactly what ``quantize_last`` / ``quantize_strided``
+    write. A tile is ``(row blocks, B, column blocks, B)``: the two amaxes are maxima over
+    its axes 3 and 1 of the same registers."""
+    pid = tl.program_id(0)
+    per_group = row_tiles * col_tiles
+    g = (pid // per_group).to(tl.int64)
+    rest = pid % per_group
+    rb = (rest // col_tiles) * TILE_ROW_BLOCKS + tl.arange(0, TILE_ROW_BLOCKS)
+    cb = (rest % col_tiles) * TILE_COL_BLOCKS + tl.arange(0, TILE_COL_BLOCKS)
+    e = tl.arange(0, BLOCK)
+    r = rb[:, None, None, None] * BLOCK + e[None, :, None, None]
+    c = cb[None, None, :, None] * BLOCK + e[None, None, None, :]
+    x = widen(tl.load(x_ptr + (g * rows + r) * cols + c, mask=(r < rows) & (c < cols), other=0), BF16_BITS)
+    # Blocks along the columns (the forward weight's K).
+    inv_k, bad_k, bytes_k = block_scales(block_amax(x, 3, -1), RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * inv_k[:, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(bad_k[:, :, :, None], 0, code)
+    tl.store(k_data_ptr + (g * rows + r) * padded_cols + c, code.to(tl.uint8), mask=(r < rows) & (c < padded_cols))
+    r3 = rb[:, None, None] * BLOCK + e[None, :, None]
+    b3 = cb[None, None, :]
+    k_blocks = padded_cols // BLOCK
+    tl.store(k_scale_ptr + (g * rows + r3) * k_blocks + b3, bytes_k.to(tl.uint8), mask=(r3 < rows) & (b3 < k_blocks))
+    # Blocks along the rows (dgrad's N).
+    inv_n, bad_n, bytes_n = block_scales(block_amax(x, 1, -1), RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * inv_n[:, None, :, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    code = tl.where(bad_n[:, None, :, :], 0, code)
+    tl.store(n_data_ptr + (g * padded_rows + r) * cols + c, code.to(tl.uint8), mask=(r < padded_rows) & (c < cols))
+    n_blocks = padded_rows // BLOCK
+    rb3 = rb[:, None, None]
+    c3 = cb[None, :, None] * BLOCK + e[None, None, :]
+    tl.store(n_scale_ptr + (g * n_blocks + rb3) * cols + c3, bytes_n.to(tl.uint8), mask=(rb3 < n_blocks) & (c3 < cols))
