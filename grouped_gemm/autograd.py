@@ -18,10 +18,11 @@ problem with the recipe's formats. ``grouped_linear`` picks the route.
 MX recipes quantize the master weights inside every call: the forward GEMM quantizes them
 blocked along K, dgrad quantizes the *saved* weight blocked along N. So a CUDA graph that
 captures a step re-quantizes on replay, and dgrad's copy is always the weight the forward
-saw (autograd's saved-tensor version check refuses a weight modified in between).
-Quantizing for dgrad in backward rather than in forward costs the same one pass over the
-weight, keeps no quantized copy alive from forward to backward, and costs nothing in
-forwards that need no gradient.
+saw (autograd's saved-tensor version check refuses a weight modified in between). Where
+one read can serve both (``grouped_gemm.mx.weight_pairs``: a backend that quantizes plain
+8-bit MX weights itself), a forward whose backward runs dgrad makes dgrad's copy too and
+the backward takes it; otherwise dgrad quantizes in backward, which keeps no copy alive
+and costs nothing in forwards that need no gradient.
 """
 
 from __future__ import annotations
