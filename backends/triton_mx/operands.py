@@ -95,7 +95,7 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
     ``MXTensor`` is its owner's fixed copy, and its layout is cached per object."""
     fmt = get_recipe(problem.recipe).weight_format
     if not isinstance(w, MXTensor):
-        return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
+        return layouts.paired_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
     if fmt == "e4m3":
         return layouts_e4m3.upcast_weight_e4m3(weight(problem, w, fmt))
     return layouts.upcast_weight(weight(problem, w, fmt))

@@ -5,7 +5,7 @@ along N in dgrad (``quantize_mx_weight``), each pass reading the whole high-prec
 weight. When the forward knows that dgrad will follow, one pass can write both copies
 (``quantize_mx_weight_pair``): for bf16 weights and 8-bit formats it moves 4 bytes an
 element instead of 6. ``GroupedLinearFunction`` opens a ``WeightPairs`` around its forward
-and its backward; a backend that quantizes its weights itself calls ``quantize_weight``,
+and its backward; a backend that quantizes plain MX weights itself calls ``quantize_weight``,
 which in such a forward quantizes both ways and keeps the dgrad copy for that call's
 backward (handed over once, then dropped). Only where one read serves both (8-bit formats
 on a GPU); E2M1 weights and CPU tensors are quantized per op as before. The cost is that copy's memory, one byte an
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,19 +30,20 @@ from grouped_gemm.updates import write_stamp
 
 
 class WeightPairs:
-    """The dgrad copies a forward made, by weight (its storage, layout and write stamp)
-    and quantization arguments."""
+    """The dgrad operands a forward made, by ``weight_key``: an MXTensor blocked along N
+    (``quantize_weight``), or a backend's own layout of it (the Triton upcast layout)."""
 
     def __init__(self) -> None:
-        self._dgrad: dict[tuple, MXTensor] = {}
+        self._dgrad: dict[tuple, Any] = {}
 
     def __len__(self) -> int:
         return len(self._dgrad)
 
-    def put(self, key: tuple, along_n: MXTensor) -> None:
-        self._dgrad[key] = along_n
+    def put(self, key: tuple, dgrad_operand: Any) -> None:
+        self._dgrad[key] = dgrad_operand
 
-    def take(self, key: tuple) -> MXTensor | None:
+    def take(self, key: tuple) -> Any:
+        """The operand kept under ``key`` (then no longer kept), or None."""
         return self._dgrad.pop(key, None)
 
 
@@ -59,19 +61,16 @@ def pairing(pairs: WeightPairs | None) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def _key(w: torch.Tensor, fmt: str, scale_rule: str, block_size: int, pad: bool) -> tuple:
-    return (
-        w.data_ptr(),
-        w.device,
-        w.dtype,
-        tuple(w.shape),
-        w.stride(),
-        write_stamp(w),
-        fmt,
-        scale_rule,
-        block_size,
-        pad,
-    )
+def active() -> WeightPairs | None:
+    """The store of the forward or backward running now (``pairing``), if any."""
+    return _ACTIVE.get()
+
+
+def weight_key(w: torch.Tensor, *how: Any) -> tuple:
+    """This very weight as it is now (storage, layout, write stamp), and ``how`` it is
+    quantized: equal keys in forward and backward mean the kept operand is the one
+    backward would make."""
+    return (w.data_ptr(), w.device, w.dtype, tuple(w.shape), w.stride(), write_stamp(w), *how)
 
 
 def quantize_weight(
@@ -96,7 +95,7 @@ def quantize_weight(
         or not pairs_in_one_read(w, fmt)  # nothing saved: each op quantizes its own, as usual
     ):
         return quantize_mx_weight(w, fmt, op=op, scale_rule=scale_rule, block_size=block_size, pad=pad)
-    key = _key(w, fmt, scale_rule, block_size, pad)
+    key = weight_key(w, "mx", fmt, scale_rule, block_size, pad)
     if op == "dgrad":
         kept = pairs.take(key)
         if kept is not None:
