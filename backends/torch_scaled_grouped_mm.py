@@ -33,7 +33,7 @@ import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, MXTensor, Problem, Reason, __version__, hookimpl
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.mx import quantize_mx, quantize_weight
+from grouped_gemm.mx import quantize_mx, quantize_mx_weight
 
 BLOCK = 32
 TILE_ROWS = 128
@@ -206,7 +206,7 @@ def _operand(problem: Problem, t: torch.Tensor | MXTensor, name: str, axis: int)
             raise InvalidArgumentError(name, t, f"an e4m3 MXTensor with blocks of {BLOCK} along axis {axis}, no pad")
         return t
     if t.dim() == 3:
-        return quantize_weight(t, "e4m3", op=problem.op, scale_rule=problem.scale_rule)  # paired in a training step
+        return quantize_mx_weight(t, "e4m3", op=problem.op, scale_rule=problem.scale_rule)
     return quantize_mx(t, "e4m3", axis=axis, scale_rule=problem.scale_rule)
 
 

@@ -59,8 +59,6 @@ from grouped_gemm.backends.triton_mx.launch import (
 from grouped_gemm.backends.triton_mx.scaled_kernel import scaled_grouped_kernel
 from grouped_gemm.backends.triton_mx.upcast_kernel import upcast_grouped_kernel
 from grouped_gemm.backends.triton_mx.wgrad_kernel import wgrad_grouped_kernel
-from grouped_gemm.mx import FORMATS, triton_quantizer
-from grouped_gemm.mx import triton_kernels as mx_triton_kernels
 
 #: The E2M1 decode tile (four rows a group), three programs a SM under a register cap.
 DECODE_TILE = upcast_config(128, 32, "e2m1")
@@ -417,70 +415,6 @@ def _prep(fmt: str, op: str) -> dict:
     }
 
 
-def _prep_pair(fmt: str) -> dict:
-    """The kernel that writes the fwd and dgrad layouts from one read, at its default rows
-    and warps, as a launch of a contiguous weight specializes it: no register spills."""
-    weight = torch.zeros(1, dtype=torch.bfloat16).view(torch.int16)
-    args = layouts.prep_format_args(weight, fmt, "floor", False)
-    const = dict(
-        sw_k=1,
-        FWD_ROWS=layouts.DEFAULT_TILES[fmt, "fwd"][0],
-        DGRAD_ROWS=layouts.DEFAULT_TILES[fmt, "dgrad"][0],
-        FROM_FIRST=layouts.THREADS_FROM_FIRST_AXIS,
-        FWD_NATIVE=args.pop("NATIVE"),
-        DGRAD_NATIVE=layouts.prep_format_args(weight, fmt, "floor", True)["NATIVE"],
-        **args,
-    )
-    pointers = {n: "*i32" for n in ("fwd_data_ptr", "fwd_scale_ptr", "dgrad_data_ptr", "dgrad_scale_ptr")}
-    c = _compile(
-        weight_prep_kernel.quantize_upcast_pair_kernel,
-        {"w_ptr": "*i16", **pointers},
-        const,
-        TARGETS["sm_90"],
-        warps=layouts.PAIR_WARPS,
-        stages=1,
-    )
-    regs, spills = _registers(c)
-    found = f"fwd {const['FWD_ROWS']} / dgrad {const['DGRAD_ROWS']} rows x {layouts.PAIR_WARPS} warps compiled"
-    return {
-        "kernel": f"prep pair {fmt}",
-        "target": "sm_90",
-        "ok": spills == 0,
-        "found": found,
-        "pipeline": None,
-        "regs": regs,
-        "spills": spills,
-    }
-
-
-def _mx_pair(fmt: str) -> dict:
-    """The MX quantizer's two-axis kernel (``quantize_mx_weight_pair``) at its default tile:
-    no register spills."""
-    row_blocks, col_blocks, warps = 1, 4, 4
-    weight = torch.zeros(1, dtype=torch.bfloat16).view(torch.int16)
-    const = dict(
-        BLOCK=32,
-        TILE_ROW_BLOCKS=row_blocks,
-        TILE_COL_BLOCKS=col_blocks,
-        **triton_quantizer.format_constants(weight.dtype, torch.device("cpu"), FORMATS[fmt], "floor"),
-    )
-    const["NATIVE"] = True  # sm_90 converts fp8 in hardware (the quantizer's choice there)
-    pointers = {n: "*u8" for n in ("k_data_ptr", "k_scale_ptr", "n_data_ptr", "n_scale_ptr")}
-    c = _compile(
-        mx_triton_kernels.quantize_pair, {"x_ptr": "*i16", **pointers}, const, TARGETS["sm_90"], warps=warps, stages=1
-    )
-    regs, spills = _registers(c)
-    return {
-        "kernel": f"mx pair {fmt}",
-        "target": "sm_90",
-        "ok": spills == 0,
-        "found": f"{row_blocks} x {col_blocks} blocks x {warps} warps compiled",
-        "pipeline": None,
-        "regs": regs,
-        "spills": spills,
-    }
-
-
 _MMA = {"cuda": re.compile(r"tcgen05\.mma[.\w:]*block_scale[.\w:]*"), "hip": re.compile(r"v_mfma_scale_f32_\w+")}
 
 
@@ -570,8 +504,6 @@ def main() -> None:
         _wgrad("sm_90", "bf16", "bf16"),
         *(_wgrad("sm_90", "bf16", "bf16", c) for c in wgrad_configs() if c.per_sm > 1 and c.bn * c.bk < 128 * 128),
         *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),
-        *(_prep_pair(fmt) for fmt in ("e2m1", "e4m3")),
-        *(_mx_pair(fmt) for fmt in ("e4m3", "e5m2")),
     ]
     for arch in ("sm_100", "gfx950"):
         rows += [_scaled(arch, "e4m3", "e4m3"), _scaled(arch, "e5m2", "e4m3"), _scaled(arch, "e4m3", "e2m1")]

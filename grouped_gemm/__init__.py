@@ -48,14 +48,7 @@ from grouped_gemm.errors import (
 )
 from grouped_gemm.group_offsets import GroupOffsets, offsets
 from grouped_gemm.inputs import GroupedInputs
-from grouped_gemm.mx import (
-    MXRows,
-    MXTensor,
-    quantize_mx,
-    quantize_mx_rows,
-    quantize_mx_weight,
-    quantize_mx_weight_pair,
-)
+from grouped_gemm.mx import MXRows, MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.plugins import hookimpl
 from grouped_gemm.problem import Problem
@@ -116,7 +109,6 @@ __all__ = [
     "quantize_mx",
     "quantize_mx_rows",
     "quantize_mx_weight",
-    "quantize_mx_weight_pair",
     "register_backend",
     "reset_config",
     "reset_dispatch_stats",

@@ -18,11 +18,10 @@ problem with the recipe's formats. ``grouped_linear`` picks the route.
 MX recipes quantize the master weights inside every call: the forward GEMM quantizes them
 blocked along K, dgrad quantizes the *saved* weight blocked along N. So a CUDA graph that
 captures a step re-quantizes on replay, and dgrad's copy is always the weight the forward
-saw (autograd's saved-tensor version check refuses a weight modified in between). Where
-one read can serve both (``grouped_gemm.mx.weight_pairs``: a backend that quantizes plain
-8-bit MX weights itself), a forward whose backward runs dgrad makes dgrad's copy too and
-the backward takes it; otherwise dgrad quantizes in backward, which keeps no copy alive
-and costs nothing in forwards that need no gradient.
+saw (autograd's saved-tensor version check refuses a weight modified in between).
+Quantizing for dgrad in backward rather than in forward costs the same one pass over the
+weight, keeps no quantized copy alive from forward to backward, and costs nothing in
+forwards that need no gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from typing import Any
 
 import torch
 
-from grouped_gemm import config
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
 from grouped_gemm.linear import (
@@ -48,7 +46,7 @@ from grouped_gemm.linear import (
     weight_operand,
 )
 from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
-from grouped_gemm.mx import MXTensor, WeightPairs, pairing
+from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipe_codec import op_recipe, recipe_from_key
 from grouped_gemm.recipes import Recipe
 from grouped_gemm.validation import snapshot_splits
@@ -67,11 +65,6 @@ class LinearPlan:
     recipe: Recipe
     fuse_wgrad_accumulation: bool = False
     frozen: Mapping[str, MXTensor] = dataclasses.field(default_factory=dict)
-
-    def pairs_weights(self) -> bool:
-        """Whether the forward may quantize the weight for dgrad as well: an MX recipe
-        whose weights are quantized in the calls (none frozen), ``pair_weights`` on."""
-        return self.recipe.weight_format is not None and not self.frozen and config.settings().pair_weights
 
     def weight(self, op: str, weights: Sequence[torch.Tensor]) -> Weights | MXTensor:
         """The weight operand of ``op``: the frozen copy if there is one, else the parameters."""
@@ -96,12 +89,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         plan: LinearPlan,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
-        # A backward that runs dgrad lets a backend quantize the weight for both GEMMs in this
-        # forward (grouped_gemm.mx.weight_pairs): one read instead of two.
-        pairs = WeightPairs() if ctx.needs_input_grad[0] and plan.pairs_weights() else None
-        with pairing(pairs):
-            y = forward_gemm(x, plan.weight("fwd", weights), bias, plan.m_splits, plan.recipe, out=out)
-        ctx.pairs = pairs
+        y = forward_gemm(x, plan.weight("fwd", weights), bias, plan.m_splits, plan.recipe, out=out)
         if out is not None:
             ctx.mark_dirty(out)
         ctx.save_for_backward(x, *weights)
@@ -136,18 +124,16 @@ class GroupedLinearFunction(torch.autograd.Function):
         fused = plan.fuse_wgrad_accumulation
         need_w = any(ctx.needs_input_grad[4:])
         gemms = ApiGemms(plan.m_splits, plan.recipe, plan.weight("dgrad", weights), ctx.bias_dtype)
-        with pairing(ctx.pairs):
-            dx, dws, dbias = linear_backward(
-                gemms,
-                dy,
-                x,
-                weights,
-                need_x=ctx.needs_input_grad[0],
-                need_w=need_w,
-                need_bias=ctx.needs_input_grad[1],
-                main_grad=main_grads(ctx.params) if fused and need_w else None,
-            )
-        ctx.pairs = None  # a dgrad copy no backend took is freed now, not with the graph
+        dx, dws, dbias = linear_backward(
+            gemms,
+            dy,
+            x,
+            weights,
+            need_x=ctx.needs_input_grad[0],
+            need_w=need_w,
+            need_bias=ctx.needs_input_grad[1],
+            main_grad=main_grads(ctx.params) if fused and need_w else None,
+        )
         if fused and need_w:
             dws = [fused_grad_placeholder(p) for p in ctx.params]
         return (dx, dbias, None, None, *dws)

@@ -44,8 +44,6 @@ ENV_VARS = {
     "(instead of declared priority), persisted under GROUPED_GEMM_CACHE_DIR/autotune",
     "GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD": "1 to skip entry-point plugins (built-ins still load)",
     "GROUPED_GEMM_DEBUG": "1 to check every backend call: inputs not modified in place (tensor versions)",
-    "GROUPED_GEMM_PAIR_WEIGHTS": "0 to stop MX grouped_linear forwards from quantizing the weight for dgrad too "
-    "(one read for both; the dgrad copy is held until backward)",
 }
 
 
@@ -66,7 +64,6 @@ class Settings(BaseModel):
     check_device_splits: bool = False
     debug: bool = False
     autotune: bool = False
-    pair_weights: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +153,6 @@ def read_env(environ: Mapping[str, str]) -> Settings:
         ("check_device_splits", "GROUPED_GEMM_CHECK_SPLITS"),
         ("debug", "GROUPED_GEMM_DEBUG"),
         ("autotune", "GROUPED_GEMM_AUTOTUNE"),
-        ("pair_weights", "GROUPED_GEMM_PAIR_WEIGHTS"),
     ):
         if name in environ:
             values[field] = _env_bool(name, environ[name])
@@ -243,10 +239,8 @@ def configure(**changes: Any) -> Settings:
     """Set process-wide options in code; they override the environment.
 
     ``backends`` (an order, or None to clear), ``warn_fallback``, ``strict``,
-    ``log_level``, ``check_device_splits``, ``debug``, ``autotune``, ``pair_weights`` (an MX
-    ``grouped_linear`` forward whose backward runs dgrad quantizes the weight for both from one
-    read where the backend allows, and holds the dgrad copy until backward; on by default).
-    Flags take ``True`` / ``False`` only. Returns the settings now in force.
+    ``log_level``, ``check_device_splits``, ``debug``, ``autotune``. Flags take ``True`` / ``False``
+    only. Returns the settings now in force.
     """
     updates = dict(changes)
     if updates.get("backends") is not None:

@@ -370,34 +370,3 @@ def test_k_outer_operands_equal_their_transposed_copies(out_dtype, gen):
 def test_selected_by_dispatch_on_this_gpu():
     d = gg.explain(op="fwd", recipe="mxfp8", groups=8, m=4096, n=1024, k=1024)
     assert d.candidate(NAME).eligible, d.table()
-
-
-def test_grouped_linear_step_quantizes_the_weight_once(gen, monkeypatch):
-    """An mxfp8 GroupedLinear step on this backend quantizes its weight for fwd and dgrad
-    from one read (grouped_gemm.mx.weight_pairs), with results equal to the step that
-    quantizes per op, bit for bit."""
-    from grouped_gemm.mx import triton_quantizer
-
-    calls = []
-    real = triton_quantizer.quantize_pair
-    monkeypatch.setattr(triton_quantizer, "quantize_pair", lambda *a, **k: calls.append(1) or real(*a, **k))
-    layer = gg.GroupedLinear(8, 320, 200, bias=False, recipe="mxfp8", dtype=torch.bfloat16, device=DEVICE)
-    x = torch.randn(512, 320, generator=gen).to(DEVICE, torch.bfloat16)
-    splits = torch.tensor(gg.skewed_splits(8, 512), device=DEVICE)
-
-    def step():
-        xg = x.clone().requires_grad_()
-        y = layer(xg, splits)
-        y.float().square().sum().backward()
-        grads = (y.detach(), xg.grad, layer.weight.grad.clone())
-        layer.zero_grad()
-        return grads
-
-    with gg.use_backends({"mxfp8": ["hip_mxfp8"]}, strict=True):
-        paired = step()
-        assert calls == [1]
-        gg.configure(pair_weights=False)
-        unpaired = step()
-    assert calls == [1]
-    for a, b in zip(paired, unpaired, strict=True):
-        assert torch.equal(a, b)

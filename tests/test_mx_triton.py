@@ -171,49 +171,6 @@ def test_launch_shapes(axis):
             assert_same(want, triton_quantizer.quantize(x, FORMATS[fmt], axis % 2, "rceil", 32, 0, tile=tile))
 
 
-def pair_both(w: torch.Tensor, fmt: str, rule: str, pad: bool, tile=None) -> None:
-    """quantize_pair against the torch quantizer along K and along N, bit for bit."""
-    f = FORMATS[fmt]
-    pads = (-w.shape[2] % 32, -w.shape[1] % 32) if pad else (0, 0)
-    along_k, along_n = triton_quantizer.quantize_pair(w, f, rule, 32, pads, tile=tile)
-    assert_same(torch_quantizer.quantize(w.cpu(), f, 2, rule, 32, pads[0]), along_k)
-    assert_same(torch_quantizer.quantize(w.cpu(), f, 1, rule, 32, pads[1]), along_n)
-
-
-def edge_pairs(edges: torch.Tensor) -> torch.Tensor:
-    """(3, 64, 96): every edge case as a K block (group 0) and as an N block (group 1)."""
-    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(9))
-    w[0, : edges.shape[0], :32] = edges
-    w[1, :32, : edges.shape[0]] = edges.T
-    return w
-
-
-#: (row blocks, column blocks, warps) of quantize_pair tiles.
-PAIR_TILES = [None, (1, 1, 1), (2, 2, 4), (1, 8, 8)]
-
-
-@interpreted
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("shape", "pad"), [((2, 64, 96), False), ((3, 40, 70), True), ((1, 33, 1), True)])
-def test_pair_equals_the_two_quantizations(fmt, rule, dtype, shape, pad):
-    gen = torch.Generator().manual_seed(hash((fmt, rule, shape)) % 2**31)
-    spread = torch.exp2(torch.randint(-30, 30, shape, generator=gen).float())
-    w = (torch.randn(shape, generator=gen) * spread).to(dtype)
-    w[0, 0, 0] = math.nan
-    w[-1, -1, -1] = -math.inf
-    pair_both(w, fmt, rule, pad)
-
-
-@interpreted
-@pytest.mark.parametrize("tile", PAIR_TILES[1:])
-def test_pair_launch_shapes(tile):
-    w = edge_pairs(edge_blocks())
-    for fmt in ("e4m3", "e5m2"):
-        pair_both(w, fmt, "rceil", False, tile)
-
-
 @interpreted
 def test_empty_tensors():
     for shape, axis in (((0, 64), -1), ((64, 0), 0), ((0, 3, 32), 2), ((4, 0, 5), 1), ((2, 64, 0), 1)):
@@ -298,19 +255,3 @@ def test_gpu_row_map():
         got = triton_quantizer.quantize_rows(x, idx.cuda(), FORMATS[fmt], "rceil", 32)
         gathered = torch.where((idx >= 0)[:, None], x.cpu()[idx.clamp(min=0).long()], 0.0)
         assert_same(torch_quantizer.quantize(gathered, FORMATS[fmt], 0, "rceil", 32, 0), got)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_pair_equals_the_two_quantizations(fmt, rule, dtype):
-    gen = torch.Generator().manual_seed(17)
-    for shape, pad in (((4, 256, 4192), False), ((3, 200, 300), True)):
-        spread = torch.exp2(torch.randint(-40, 40, shape, generator=gen).float())
-        w = (torch.randn(shape, generator=gen) * spread).to(dtype)
-        w.view(-1)[::100003] = math.nan
-        w.view(-1)[7::90001] = -math.inf
-        for tile in PAIR_TILES if shape[1] % 32 == 0 else PAIR_TILES[:1]:
-            pair_both(w.cuda(), fmt, rule, pad, tile)
-    pair_both(edge_pairs(edge_blocks()).cuda(), fmt, rule, False)

@@ -16,7 +16,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.backends.triton_mx import decode, layouts, layouts_e4m3, weight_prep_kernel
-from grouped_gemm.mx import MXTensor, WeightPairs, pairing, quantize_mx_weight
+from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.testing import poison, ref_fwd, sqnr_db
 
 K_ALIGN = layouts.K_ALIGN
@@ -150,53 +150,6 @@ def test_both_tile_arrangements_write_the_same_layout(fmt, op, poisoned_layouts,
         assert torch.equal(lay.data, data) and torch.equal(lay.scales, scales), stored.stride()
 
 
-#: Pair-kernel shapes: N and K multiples of 32, one or several 128-tiles each way, partial tiles.
-PAIR_SHAPES = [(2, 160, 96), (1, 32, 288), (3, 128, 128)]
-
-
-def _same_layout(a: layouts.UpcastWeight, b: layouts.UpcastWeight) -> bool:
-    return (a.rows, a.k_red, a.k_padded, a.fmt) == (b.rows, b.k_red, b.k_padded, b.fmt) and (
-        torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
-    )
-
-
-@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
-@pytest.mark.parametrize("shape", PAIR_SHAPES)
-def test_pair_kernel_writes_both_layouts_of_the_single_kernel(fmt, shape, poisoned_layouts, gen):
-    for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor")):
-        w = _edge_weight(shape, "fwd", dtype, gen)
-        fwd, dgrad = layouts.quantize_upcast_pair(w, rule, fmt=fmt)
-        assert _same_layout(fwd, layouts.quantize_upcast_weight(w, "fwd", rule, fmt=fmt)), (dtype, rule)
-        assert _same_layout(dgrad, layouts.quantize_upcast_weight(w, "dgrad", rule, fmt=fmt)), (dtype, rule)
-    for rows in ((16, 32), (128, 128)):  # other steps through the tile, the same layouts
-        other = layouts.quantize_upcast_pair(w, rule, fmt=fmt, rows=rows, warps=2)
-        assert _same_layout(other[0], fwd) and _same_layout(other[1], dgrad)
-
-
-def test_paired_layout_handed_from_forward_to_backward(gen):
-    """In a forward's WeightPairs the fwd call makes both layouts and keeps dgrad's; the
-    backward's dgrad call takes it, once, and only for the same unchanged weight."""
-    w = _edge_weight((2, 64, 96), "fwd", torch.bfloat16, gen)
-    pairs = WeightPairs()
-    with pairing(pairs):
-        fwd = layouts.paired_upcast_weight(w, "fwd", "rceil", fmt="e4m3")
-        assert len(pairs) == 1
-        dgrad = layouts.paired_upcast_weight(w, "dgrad", "rceil", fmt="e4m3")
-        assert len(pairs) == 0
-        again = layouts.paired_upcast_weight(w, "dgrad", "rceil", fmt="e4m3")
-    assert _same_layout(fwd, layouts.quantize_upcast_weight(w, "fwd", "rceil", fmt="e4m3"))
-    assert _same_layout(dgrad, again) and dgrad is not again
-    with pairing(pairs):
-        layouts.paired_upcast_weight(w, "fwd", "rceil", fmt="e4m3")
-        w.mul_(3)  # written after the forward: the kept layout is stale and is not taken
-        fresh = layouts.paired_upcast_weight(w, "dgrad", "rceil", fmt="e4m3")
-    assert len(pairs) == 1 and _same_layout(fresh, layouts.quantize_upcast_weight(w, "dgrad", "rceil", fmt="e4m3"))
-    odd = _edge_weight((1, 64, 96), "fwd", torch.bfloat16, gen)[:, :40]  # N not whole blocks: one layout per op
-    with pairing(pairs):
-        layouts.paired_upcast_weight(odd.contiguous(), "fwd", "rceil", fmt="e4m3")
-    assert len(pairs) == 1
-
-
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 @pytest.mark.parametrize("run_major", [True, False])
 def test_mx_layout_equals_reference_for_every_code_and_scale_byte(op, run_major, poisoned_layouts, gen):
@@ -274,37 +227,3 @@ def test_gpu_fused_layout_equals_triton_quantizer_then_layout(fmt, op, gen):
         for tile in ((16, 2), (32, 2), (64, 4), (128, 4)):  # the defaults are picked by timing any of these
             other = layouts.quantize_upcast_weight(w, op, rule, fmt=fmt, tile=tile)
             assert torch.equal(other.data, want.data) and torch.equal(other.scales, want.scales), (dtype, rule, tile)
-        pair = layouts.quantize_upcast_pair(w, rule, fmt=fmt)[0 if op == "fwd" else 1]
-        assert torch.equal(pair.data, want.data) and torch.equal(pair.scales, want.scales), (dtype, rule, "pair")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
-def test_gpu_grouped_linear_step_lays_the_weight_out_once(recipe, gen, monkeypatch):
-    """A GroupedLinear step on the upcast path makes both weight layouts in its forward
-    (one kernel) and its backward's dgrad takes dgrad's; results equal the step that lays
-    the weight out per op, bit for bit."""
-    calls = []
-    real = layouts.quantize_upcast_pair
-    monkeypatch.setattr(layouts, "quantize_upcast_pair", lambda *a, **k: calls.append(1) or real(*a, **k))
-    layer = gg.GroupedLinear(4, 256, 384, bias=False, recipe=recipe, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(1024, 256, generator=gen).to("cuda", torch.bfloat16)
-    splits = torch.tensor([300, 0, 500, 224], device="cuda")
-
-    def step():
-        xg = x.clone().requires_grad_()
-        y = layer(xg, splits)
-        y.float().square().sum().backward()
-        grads = (y.detach(), xg.grad, layer.weight.grad.clone())
-        layer.zero_grad()
-        return grads
-
-    backend = "triton_mxfp8" if recipe == "mxfp8" else "triton_mxfp4"
-    with gg.use_backends({recipe: [backend]}, strict=True):
-        paired = step()
-        assert calls == [1]
-        gg.configure(pair_weights=False)
-        unpaired = step()
-    assert calls == [1]
-    for a, b in zip(paired, unpaired, strict=True):
-        assert torch.equal(a, b)

@@ -27,7 +27,7 @@ import torch
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, MXTensor, Problem, Reason, __version__
 from grouped_gemm.backends.hip_mxfp8 import build
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_weight
+from grouped_gemm.mx import quantize_mx, quantize_mx_rows, quantize_mx_weight
 
 #: Output rows per tile of the rows kernel (mxfp8_grouped.cuh: BM).
 TILE_ROWS = 128
@@ -272,8 +272,8 @@ def _operand(problem: Problem, t: torch.Tensor | MXTensor, name: str, axis: int,
         if t.fmt != fmt or t.axis != axis or t.block_size != BLOCK:
             raise InvalidArgumentError(name, t, f"an e4m3 MXTensor with blocks of {BLOCK} along axis {axis}")
         return t
-    if t.dim() == 3:  # one pass for fwd and dgrad in a grouped_linear training step (weight_pairs)
-        return quantize_weight(t, fmt, op=problem.op, scale_rule=problem.scale_rule, pad=True)
+    if t.dim() == 3:
+        return quantize_mx_weight(t, fmt, op=problem.op, scale_rule=problem.scale_rule, pad=True)
     return quantize_mx(t, fmt, axis=axis, scale_rule=problem.scale_rule, pad=True)
 
 

@@ -51,7 +51,7 @@ import torch
 import triton
 
 from grouped_gemm.backends.triton_mx import weight_prep_kernel
-from grouped_gemm.mx import MXTensor, triton_quantizer, weight_pairs
+from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
 from grouped_gemm.triton_launcher import CachedLauncher, cdiv
 from grouped_gemm.updates import write_stamp
@@ -120,9 +120,6 @@ THREADS_FROM_FIRST_AXIS = tuple(int(part) for part in triton.__version__.split("
 
 _MX_UPCAST = CachedLauncher(weight_prep_kernel.mx_upcast_kernel)
 _QUANTIZE_UPCAST = CachedLauncher(weight_prep_kernel.quantize_upcast_kernel)
-_QUANTIZE_UPCAST_PAIR = CachedLauncher(weight_prep_kernel.quantize_upcast_pair_kernel)
-#: Warps of the pair kernel (its fwd and dgrad rows take ``DEFAULT_TILES``' row counts).
-PAIR_WARPS = 4
 
 
 def _grid_and_strides(lay: UpcastWeight, groups: int, rows: int) -> tuple[tuple[int], int, tuple[int, ...]]:
@@ -215,70 +212,6 @@ def quantize_upcast_weight(
             **prep_format_args(x, fmt, scale_rule, rows_contiguous),
         )
     return lay
-
-
-def paired_upcast_weight(w: torch.Tensor, op: str, scale_rule: str, *, fmt: str) -> UpcastWeight:
-    """``quantize_upcast_weight(w, op, scale_rule, fmt=fmt)``, pairing-aware
-    (``grouped_gemm.mx.weight_pairs``): in a training step's forward both layouts come from
-    one read (``quantize_upcast_pair``), and its backward's dgrad takes the one kept for it
-    (the same weight, unchanged). Elsewhere, and for weights the pair kernel does not take
-    (not contiguous, N not whole 32-blocks), one layout per call as before."""
-    pairs = weight_pairs.active()
-    if pairs is None or not _pairable(w):
-        return quantize_upcast_weight(w, op, scale_rule, fmt=fmt)
-    key = weight_pairs.weight_key(w, "triton_upcast", fmt, scale_rule)
-    if op == "dgrad":
-        kept = pairs.take(key)
-        return kept if kept is not None else quantize_upcast_weight(w, op, scale_rule, fmt=fmt)
-    fwd, dgrad = quantize_upcast_pair(w, scale_rule, fmt=fmt)
-    pairs.put(key, dgrad)
-    return fwd
-
-
-def _pairable(w: torch.Tensor) -> bool:
-    _, n, k = w.shape
-    return w.is_contiguous() and n % 32 == 0 and k % 32 == 0 and w.numel() > 0
-
-
-def quantize_upcast_pair(
-    w: torch.Tensor, scale_rule: str, *, fmt: str, rows: tuple[int, int] | None = None, warps: int = PAIR_WARPS
-) -> tuple[UpcastWeight, UpcastWeight]:
-    """A contiguous (G, N, K) weight (N and K multiples of 32) laid out for fwd and for
-    dgrad in one launch, each bit for bit ``quantize_upcast_weight``'s. ``rows`` overrides
-    the (fwd, dgrad) layout rows a step (powers of two dividing 128; benchmarks)."""
-    groups, n, k = w.shape
-    fwd = _empty_layout(groups, n, k, w.device, True, fmt)
-    dgrad = _empty_layout(groups, k, n, w.device, True, fmt)
-    x = w.view(torch.int16) if w.dtype == torch.bfloat16 else w
-    fwd_rows, dgrad_rows = rows or (DEFAULT_TILES[fmt, "fwd"][0], DEFAULT_TILES[fmt, "dgrad"][0])
-    n_tiles, k_tiles = cdiv(n, K_ALIGN), cdiv(k, K_ALIGN)
-    native = {
-        name: prep_format_args(x, fmt, scale_rule, strided)["NATIVE"]
-        for name, strided in (("FWD_NATIVE", False), ("DGRAD_NATIVE", True))
-    }
-    constants = {key: v for key, v in prep_format_args(x, fmt, scale_rule, False).items() if key != "NATIVE"}
-    _QUANTIZE_UPCAST_PAIR(
-        (groups * n_tiles * k_tiles,),
-        x,
-        fwd.data,
-        fwd.scales,
-        dgrad.data,
-        dgrad.scales,
-        n,
-        k,
-        n_tiles,
-        k_tiles,
-        *x.stride(),
-        *_grid_and_strides(fwd, groups, fwd_rows)[2],
-        *_grid_and_strides(dgrad, groups, dgrad_rows)[2],
-        FWD_ROWS=fwd_rows,
-        DGRAD_ROWS=dgrad_rows,
-        FROM_FIRST=THREADS_FROM_FIRST_AXIS,
-        num_warps=warps,
-        **native,
-        **constants,
-    )
-    return fwd, dgrad
 
 
 def prep_format_args(x: torch.Tensor, fmt: str, scale_rule: str, strided: bool) -> dict[str, int]:

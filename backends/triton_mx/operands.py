@@ -28,7 +28,7 @@ import torch
 from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_weight
+from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import get_recipe
 
@@ -85,7 +85,7 @@ def weight(problem: Problem, w: torch.Tensor | MXTensor, fmt: str | None = None)
                 f"({'K' if axis == 2 else 'N'}, the {problem.op} contraction), no padding",
             )
         return w
-    return quantize_weight(w, fmt, op=problem.op, scale_rule=problem.scale_rule)  # paired in a training step
+    return quantize_mx_weight(w, fmt, op=problem.op, scale_rule=problem.scale_rule)
 
 
 def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
@@ -95,7 +95,7 @@ def upcast_weight(problem: Problem, w: torch.Tensor | MXTensor) -> UpcastWeight:
     ``MXTensor`` is its owner's fixed copy, and its layout is cached per object."""
     fmt = get_recipe(problem.recipe).weight_format
     if not isinstance(w, MXTensor):
-        return layouts.paired_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
+        return layouts.quantize_upcast_weight(w, problem.op, problem.scale_rule, fmt=fmt)
     if fmt == "e4m3":
         return layouts_e4m3.upcast_weight_e4m3(weight(problem, w, fmt))
     return layouts.upcast_weight(weight(problem, w, fmt))

@@ -196,132 +196,38 @@ def quantize_upcast_kernel(
     ``layouts.quantize_upcast_weight`` picks the arrangement from the weight's strides."""
     g, run, row0 = _tile(runs, row_tiles, ROWS)
     if ROWS_CONTIGUOUS:
-        _prep_rows_contiguous(
-            w_ptr, data_ptr, scale_ptr, g, run, row0, rows, k_red, sw_g, sw_row, sw_k, sd_g, sd_row, sd_run, ss_g,
-            ss_run, ROWS, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, BF16_BITS, NATIVE, FROM_FIRST,
-        )  # fmt: skip
+        j = tl.arange(0, 4)[:, None, None, None, None]
+        h = tl.arange(0, 2)[None, :, None, None, None]
+        b = tl.arange(0, 4)[None, None, :, None, None]
+        q = tl.arange(0, 4)[None, None, None, :, None]
+        row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
+        c = run * 128 + 32 * b + 8 * j + 2 * q + h
+        ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+        mask = (row < rows) & (c < k_red)
+        x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
+        amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
+        inv_scale, nonfinite, scale_bytes = block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
+        code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = tl.where(nonfinite[None, None, :, None, :], 0, code)
+        words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
+        row3 = row0 + tl.arange(0, ROWS)[None, None, :]
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
     else:
-        _prep_contraction_contiguous(
-            w_ptr, data_ptr, scale_ptr, g, run, row0, rows, k_red, sw_g, sw_row, sw_k, sd_g, sd_row, sd_run, ss_g,
-            ss_run, ROWS, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, BF16_BITS, NATIVE, FROM_FIRST,
-        )  # fmt: skip
-
-
-@triton.jit
-def quantize_upcast_pair_kernel(
-    w_ptr,
-    fwd_data_ptr,
-    fwd_scale_ptr,
-    dgrad_data_ptr,
-    dgrad_scale_ptr,
-    n,
-    k,
-    n_tiles,
-    k_tiles,
-    sw_g,
-    sw_n,
-    sw_k,
-    sf_g,
-    sf_row,
-    sf_run,
-    sfs_g,
-    sfs_run,
-    sd_g,
-    sd_row,
-    sd_run,
-    sds_g,
-    sds_run,
-    FWD_ROWS: tl.constexpr,
-    DGRAD_ROWS: tl.constexpr,
-    RULE: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
-    NBITS: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    FWD_NATIVE: tl.constexpr,
-    DGRAD_NATIVE: tl.constexpr,
-    FROM_FIRST: tl.constexpr,
-):
-    """A contiguous (G, N, K) weight's fwd layout (rows N, contraction K) and dgrad layout
-    (rows K, contraction N) from one read: a program owns a 128 x 128 (N, K) tile, which is
-    one 128-run of 128 fwd rows and one 128-run of 128 dgrad rows. It writes the fwd rows
-    ``FWD_ROWS`` at a time, then the dgrad rows ``DGRAD_ROWS`` at a time with the same
-    arrangements (and so the same results) as ``quantize_upcast_kernel``; the second pass
-    reads the tile the first one just brought into L2, not DRAM."""
-    pid = tl.program_id(0)
-    g = (pid // (n_tiles * k_tiles)).to(tl.int64)
-    nt = (pid // k_tiles) % n_tiles
-    kt = pid % k_tiles
-    for i in tl.static_range(128 // FWD_ROWS):
-        _prep_contraction_contiguous(
-            w_ptr, fwd_data_ptr, fwd_scale_ptr, g, kt, nt * 128 + i * FWD_ROWS, n, k, sw_g, sw_n, sw_k, sf_g, sf_row,
-            sf_run, sfs_g, sfs_run, FWD_ROWS, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, BF16_BITS,
-            FWD_NATIVE, FROM_FIRST,
-        )  # fmt: skip
-    for i in tl.static_range(128 // DGRAD_ROWS):
-        _prep_rows_contiguous(
-            w_ptr, dgrad_data_ptr, dgrad_scale_ptr, g, nt, kt * 128 + i * DGRAD_ROWS, k, n, sw_g, sw_k, sw_n, sd_g,
-            sd_row, sd_run, sds_g, sds_run, DGRAD_ROWS, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, BF16_BITS,
-            DGRAD_NATIVE, FROM_FIRST,
-        )  # fmt: skip
-
-
-@triton.jit
-def _prep_rows_contiguous(
-    w_ptr, data_ptr, scale_ptr, g, run, row0, rows, k_red, sw_g, sw_row, sw_k, sd_g, sd_row, sd_run, ss_g, ss_run,
-    ROWS: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr,
-    BIAS: tl.constexpr, MAX_VALUE: tl.constexpr, NBITS: tl.constexpr, BF16_BITS: tl.constexpr, NATIVE: tl.constexpr,
-    FROM_FIRST: tl.constexpr,
-):  # fmt: skip
-    """Layout rows ``row0 + [0, ROWS)`` of one 128-run, the rows contiguous in the input
-    (dgrad of a contiguous weight): tile (j, h, b, q, row), element ``32b + 8j + 2q + h``."""
-    j = tl.arange(0, 4)[:, None, None, None, None]
-    h = tl.arange(0, 2)[None, :, None, None, None]
-    b = tl.arange(0, 4)[None, None, :, None, None]
-    q = tl.arange(0, 4)[None, None, None, :, None]
-    row = row0 + tl.arange(0, ROWS)[None, None, None, None, :]
-    c = run * 128 + 32 * b + 8 * j + 2 * q + h
-    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    mask = (row < rows) & (c < k_red)
-    x = widen(_load_threads_first(ptrs, mask, (3, 2, 0, 1, 4), (2, 3, 1, 0, 4), FROM_FIRST), BF16_BITS)
-    amax = tl.max(block_amax(x, 1, 0), axis=1)  # registers (j, h), then the threads of q
-    inv_scale, nonfinite, scale_bytes = block_scales(amax, RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[None, None, :, None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[None, None, :, None, :], 0, code)
-    words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
-    row3 = row0 + tl.arange(0, ROWS)[None, None, :]
-    offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
-    _store_words(data_ptr + g * sd_g + run * sd_run + offsets, words, row3 < rows, NBITS)
-    _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
-
-
-@triton.jit
-def _prep_contraction_contiguous(
-    w_ptr, data_ptr, scale_ptr, g, run, row0, rows, k_red, sw_g, sw_row, sw_k, sd_g, sd_row, sd_run, ss_g, ss_run,
-    ROWS: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MBITS: tl.constexpr,
-    BIAS: tl.constexpr, MAX_VALUE: tl.constexpr, NBITS: tl.constexpr, BF16_BITS: tl.constexpr, NATIVE: tl.constexpr,
-    FROM_FIRST: tl.constexpr,
-):  # fmt: skip
-    """Layout rows ``row0 + [0, ROWS)`` of one 128-run, the contraction contiguous in the
-    input (fwd of a contiguous weight): tile (j, b, row, e), element ``32b + 8j + e``."""
-    j = tl.arange(0, 4)[:, None, None, None]
-    b = tl.arange(0, 4)[None, :, None, None]
-    row = row0 + tl.arange(0, ROWS)[None, None, :, None]
-    c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
-    ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
-    raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
-    x = widen(raw, BF16_BITS)
-    inv_scale, nonfinite, scale_bytes = block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    code = tl.where(nonfinite[None, :, :, None], 0, code)
-    jj = tl.arange(0, 4)[:, None, None, None, None]
-    hh = tl.arange(0, 2)[None, None, None, None, :]
-    words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
-    row3 = row0 + tl.arange(0, ROWS)[None, :, None]
-    offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
+        j = tl.arange(0, 4)[:, None, None, None]
+        b = tl.arange(0, 4)[None, :, None, None]
+        row = row0 + tl.arange(0, ROWS)[None, None, :, None]
+        c = run * 128 + 32 * b + 8 * j + tl.arange(0, 8)[None, None, None, :]
+        ptrs = w_ptr + g * sw_g + row.to(tl.int64) * sw_row + c.to(tl.int64) * sw_k
+        raw = _load_threads_first(ptrs, (row < rows) & (c < k_red), (1, 2, 0, 3), (2, 0, 1, 3), FROM_FIRST)
+        x = widen(raw, BF16_BITS)
+        inv_scale, nonfinite, scale_bytes = block_scales(block_amax(x, 3, 0), RULE, EMAX, MAX_MANT, MBITS)
+        code = encode(x * inv_scale[None, :, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+        code = tl.where(nonfinite[None, :, :, None], 0, code)
+        jj = tl.arange(0, 4)[:, None, None, None, None]
+        hh = tl.arange(0, 2)[None, None, None, None, :]
+        words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
+        row3 = row0 + tl.arange(0, ROWS)[None, :, None]
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
     _store_words(data_ptr + g * sd_g + run * sd_run + offsets, words, row3 < rows, NBITS)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 

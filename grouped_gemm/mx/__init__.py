@@ -5,10 +5,9 @@ See docs/mx_formats.md for the rules and where they come from.
 """
 
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS, SCALE_RULES, MXFormat
-from grouped_gemm.mx.grouped import MXRows, quantize_mx_rows, quantize_mx_weight, quantize_mx_weight_pair
+from grouped_gemm.mx.grouped import MXRows, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.mx.quantize import quantize_mx
 from grouped_gemm.mx.tensor import MXTensor
-from grouped_gemm.mx.weight_pairs import WeightPairs, pairing, quantize_weight
 
 __all__ = [
     "BLOCK_SIZE",
@@ -20,8 +19,4 @@ __all__ = [
     "quantize_mx",
     "quantize_mx_rows",
     "quantize_mx_weight",
-    "quantize_mx_weight_pair",
-    "WeightPairs",
-    "pairing",
-    "quantize_weight",
 ]

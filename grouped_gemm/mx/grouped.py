@@ -41,42 +41,6 @@ def quantize_mx_weight(
     along K (axis 2) for ``"fwd"``, along N (axis 1) for ``"dgrad"``."""
     if not isinstance(op, str) or op not in _WEIGHT_AXIS:
         raise InvalidArgumentError("op", op, "'fwd' (blocks along K) or 'dgrad' (blocks along N)")
-    return quantize_mx(_stacked(w), fmt, axis=_WEIGHT_AXIS[op], scale_rule=scale_rule, block_size=block_size, pad=pad)
-
-
-def quantize_mx_weight_pair(
-    w: torch.Tensor | list[torch.Tensor],
-    fmt: str,
-    *,
-    scale_rule: str = "rceil",
-    block_size: int = BLOCK_SIZE,
-    pad: bool = False,
-) -> tuple[MXTensor, MXTensor]:
-    """``(quantize_mx_weight(w, op="fwd"), quantize_mx_weight(w, op="dgrad"))``, bit for bit,
-    from one read of ``w`` where a kernel does both (8-bit formats on a GPU: 4 bytes an
-    element moved for bf16 against 6 for the two passes); otherwise the two calls."""
-    w = _stacked(w)
-    f, _, pad_k = check_args(w, fmt, 2, scale_rule, block_size, pad)
-    _, _, pad_n = check_args(w, fmt, 1, scale_rule, block_size, pad)
-    if pairs_in_one_read(w, fmt):
-        from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
-
-        rule, block = scale_rule_name(scale_rule), as_block_size(block_size)
-        return triton_quantizer.quantize_pair(w, f, rule, block, (pad_k, pad_n))
-    return tuple(  # type: ignore[return-value]
-        quantize_mx(w, fmt, axis=axis, scale_rule=scale_rule, block_size=block_size, pad=pad) for axis in (2, 1)
-    )
-
-
-def pairs_in_one_read(w: torch.Tensor, fmt: str) -> bool:
-    """Whether ``quantize_mx_weight_pair`` reads ``w`` once (an 8-bit format on a GPU) rather
-    than making the two quantizations one after the other."""
-    f = FORMATS.get(fmt)
-    return w.device.type == "cuda" and f is not None and f.bits == 8
-
-
-def _stacked(w: object) -> torch.Tensor:
-    """A ``(G, N, K)`` weight as one tensor (a list of G ``(N, K)`` tensors stacked)."""
     if isinstance(w, (list, tuple)):
         if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w):
             raise InvalidTypeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
@@ -88,7 +52,7 @@ def _stacked(w: object) -> torch.Tensor:
         w = torch.stack(list(w))
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ShapeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
-    return w
+    return quantize_mx(w, fmt, axis=_WEIGHT_AXIS[op], scale_rule=scale_rule, block_size=block_size, pad=pad)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

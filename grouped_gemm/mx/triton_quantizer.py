@@ -25,7 +25,6 @@ from grouped_gemm.triton_launcher import CachedLauncher, cdiv, next_power_of_2
 # Cached launchers (triton_launcher: host time per launch, issue 14).
 _QUANTIZE_LAST = CachedLauncher(triton_kernels.quantize_last)
 _QUANTIZE_STRIDED = CachedLauncher(triton_kernels.quantize_strided)
-_QUANTIZE_PAIR = CachedLauncher(triton_kernels.quantize_pair)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -237,53 +236,3 @@ def quantize_rows(t: torch.Tensor, row_map: torch.Tensor, fmt: MXFormat, rule: s
         shape=(padded, cols),
         block_size=block_size,
     )
-
-
-def quantize_pair(
-    t: torch.Tensor,
-    fmt: MXFormat,
-    rule: str,
-    block_size: int,
-    pads: tuple[int, int],
-    *,
-    tile: tuple[int, int, int] | None = None,
-) -> tuple[MXTensor, MXTensor]:
-    """A validated ``(G, N, K)`` tensor quantized along K and along N from one read (an
-    8-bit ``fmt``): the two MXTensors ``quantize`` would return for axes 2 and 1, with
-    ``pads`` = (zeros appended to K, to N). ``tile`` overrides (row blocks, column
-    blocks, warps) for benchmarks."""
-    _check_runnable(t)
-    x = _kernel_input(t)
-    groups, rows, cols = x.shape
-    pad_k, pad_n = pads
-    k_data, k_scale = _outputs([groups, rows, cols + pad_k], 2, fmt, block_size, x.device)
-    n_data, n_scale = _outputs([groups, rows + pad_n, cols], 1, fmt, block_size, x.device)
-    if x.numel():
-        # Default: one block of rows by four of columns on 4 warps (4096 elements a tile).
-        row_blocks, col_blocks, warps = tile or (1, 4, 4)
-        row_tiles = cdiv((rows + pad_n) // block_size, row_blocks)
-        col_tiles = cdiv((cols + pad_k) // block_size, col_blocks)
-        _QUANTIZE_PAIR(
-            (groups * row_tiles * col_tiles,),
-            x,
-            k_data,
-            k_scale,
-            n_data,
-            n_scale,
-            rows,
-            cols,
-            rows + pad_n,
-            cols + pad_k,
-            row_tiles,
-            col_tiles,
-            BLOCK=block_size,
-            TILE_ROW_BLOCKS=row_blocks,
-            TILE_COL_BLOCKS=col_blocks,
-            num_warps=warps,
-            **format_args(x, fmt, rule),
-        )
-    shape = (groups, rows, cols)
-    k_data, n_data = k_data.view(fmt.storage), n_data.view(fmt.storage)
-    along_k = MXTensor(data=k_data, scale=k_scale, fmt=fmt.name, axis=2, shape=shape, pad=pad_k, block_size=block_size)
-    along_n = MXTensor(data=n_data, scale=n_scale, fmt=fmt.name, axis=1, shape=shape, pad=pad_n, block_size=block_size)
-    return along_k, along_n
