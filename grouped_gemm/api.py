@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,22 @@ from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, dtype_name
 MAX_DESCRIBED_GROUPS = 1 << 20
 
 
+#: What Dynamo says where ``fullgraph=True`` meets a functional call.
+_GRAPH_BREAK_REASON = (
+    "gg.grouped_gemm / grouped_gemm_dgrad / grouped_gemm_wgrad run outside torch.compile graphs (one graph "
+    "break); in graphs that must not break use gg.grouped_linear, gg.ops.gmm or torch.ops.grouped_gemm.*"
+)
+
+
+@functools.partial(torch.compiler.disable, reason=_GRAPH_BREAK_REASON)
+def _outside_graph(gemm: Any, *args: Any, **kwargs: Any) -> Any:
+    """``gemm(*args, **kwargs)`` run eagerly when ``torch.compile`` meets a functional call:
+    one graph break there, instead of Dynamo tracing the dispatcher (its caches, settings and
+    host reads, which break the graph anyway and which a trace could bake in). Graphs that
+    must not break use ``grouped_linear`` / ``ops.gmm`` / ``torch.ops.grouped_gemm.*``."""
+    return gemm(*args, **kwargs)
+
+
 def grouped_gemm(
     x: torch.Tensor,
     w: torch.Tensor | list[torch.Tensor],
@@ -46,6 +63,9 @@ def grouped_gemm(
     the host or the device). ``recipe`` defaults to the plain recipe of ``x``'s dtype.
     ``backend`` names a backend, a list of them, or an order string to prefer.
     """
+    if torch.compiler.is_compiling():
+        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "backend": backend}
+        return _outside_graph(grouped_gemm, x, w, m_splits, **kwargs)
     return DISPATCHER.run(validation.fwd_or_dgrad("fwd", x, w, m_splits, recipe, out, out_dtype), backend)
 
 
@@ -60,6 +80,9 @@ def grouped_gemm_dgrad(
     backend: Any = None,
 ) -> torch.Tensor:
     """Input gradient: ``dx[rows of g] = dy[rows of g] @ w[g]`` -> ``(M, K)``."""
+    if torch.compiler.is_compiling():
+        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "backend": backend}
+        return _outside_graph(grouped_gemm_dgrad, dy, w, m_splits, **kwargs)
     return DISPATCHER.run(validation.fwd_or_dgrad("dgrad", dy, w, m_splits, recipe, out, out_dtype), backend)
 
 
@@ -80,6 +103,9 @@ def grouped_gemm_wgrad(
     ``main_grad``); groups without rows leave it untouched. Without it, empty groups
     give zeros. ``out`` may be a list of G ``(N, K)`` tensors (one per expert).
     """
+    if torch.compiler.is_compiling():
+        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "accumulate": accumulate, "backend": backend}
+        return _outside_graph(grouped_gemm_wgrad, dy, x, m_splits, **kwargs)
     return DISPATCHER.run(validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate), backend)
 
 

@@ -3,6 +3,8 @@ compiles with fullgraph=True (no graph break) and matches eager."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,6 +156,27 @@ def test_fused_wgrad_accumulation_compiles(gen):
     _, _, grads = _step(model, x, compiled)
     assert "gate_up.weight" not in grads
     assert rel_error(model.gate_up.weight.main_grad, eager) < 1e-6
+
+
+def test_functional_calls_run_outside_the_graph(gen):
+    """gg.grouped_gemm / _dgrad / _wgrad under torch.compile: one graph break at the call,
+    the eager result, no trace of the dispatcher (whose caches and host reads Dynamo warned
+    about); fullgraph=True names the ops to use instead."""
+    x, w = torch.randn(16, 32, generator=gen), torch.randn(3, 24, 32, generator=gen)
+    dy, splits = torch.randn(16, 24, generator=gen), torch.tensor([7, 0, 9])
+    calls = {
+        "fwd": lambda: gg.grouped_gemm(x, w, splits),
+        "dgrad": lambda: gg.grouped_gemm_dgrad(dy, w, splits),
+        "wgrad": lambda: gg.grouped_gemm_wgrad(dy, x, splits),
+    }
+    for op, call in calls.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Dynamo's warnings about tracing library internals
+            got = torch.compile(call, backend="eager")()
+        assert torch.equal(got, call()), op
+        torch._dynamo.reset()  # the frame compiled above would be reused as it is
+        with pytest.raises(Exception, match=r"torch\.ops\.grouped_gemm"):
+            torch.compile(call, backend="eager", fullgraph=True)()
 
 
 def test_host_list_splits_compile_and_match_eager(gen):
