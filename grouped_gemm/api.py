@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,13 +36,16 @@ _GRAPH_BREAK_REASON = (
 )
 
 
-@functools.partial(torch.compiler.disable, reason=_GRAPH_BREAK_REASON)
-def _outside_graph(gemm: Any, *args: Any, **kwargs: Any) -> Any:
-    """``gemm(*args, **kwargs)`` run eagerly when ``torch.compile`` meets a functional call:
-    one graph break there, instead of Dynamo tracing the dispatcher (its caches, settings and
-    host reads, which break the graph anyway and which a trace could bake in). Graphs that
-    must not break use ``grouped_linear`` / ``ops.gmm`` / ``torch.ops.grouped_gemm.*``."""
-    return gemm(*args, **kwargs)
+def _dispatch(validate: Any, args: tuple, backend: Any) -> Any:
+    return DISPATCHER.run(validate(*args), backend)
+
+
+#: ``DISPATCHER.run(validate(*args), backend)`` run eagerly when ``torch.compile`` meets a
+#: functional call: one graph break there, instead of Dynamo tracing the dispatcher (its
+#: caches, settings and host reads, which break the graph anyway and which a trace could
+#: bake in). Graphs that must not break use ``grouped_linear`` / ``ops.gmm`` /
+#: ``torch.ops.grouped_gemm.*``.
+_outside_graph = torch.compiler.disable(_dispatch, reason=_GRAPH_BREAK_REASON)
 
 
 def grouped_gemm(
@@ -64,8 +66,7 @@ def grouped_gemm(
     ``backend`` names a backend, a list of them, or an order string to prefer.
     """
     if torch.compiler.is_compiling():
-        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "backend": backend}
-        return _outside_graph(grouped_gemm, x, w, m_splits, **kwargs)
+        return _outside_graph(validation.fwd_or_dgrad, ("fwd", x, w, m_splits, recipe, out, out_dtype), backend)
     return DISPATCHER.run(validation.fwd_or_dgrad("fwd", x, w, m_splits, recipe, out, out_dtype), backend)
 
 
@@ -81,8 +82,7 @@ def grouped_gemm_dgrad(
 ) -> torch.Tensor:
     """Input gradient: ``dx[rows of g] = dy[rows of g] @ w[g]`` -> ``(M, K)``."""
     if torch.compiler.is_compiling():
-        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "backend": backend}
-        return _outside_graph(grouped_gemm_dgrad, dy, w, m_splits, **kwargs)
+        return _outside_graph(validation.fwd_or_dgrad, ("dgrad", dy, w, m_splits, recipe, out, out_dtype), backend)
     return DISPATCHER.run(validation.fwd_or_dgrad("dgrad", dy, w, m_splits, recipe, out, out_dtype), backend)
 
 
@@ -104,8 +104,7 @@ def grouped_gemm_wgrad(
     give zeros. ``out`` may be a list of G ``(N, K)`` tensors (one per expert).
     """
     if torch.compiler.is_compiling():
-        kwargs = {"recipe": recipe, "out": out, "out_dtype": out_dtype, "accumulate": accumulate, "backend": backend}
-        return _outside_graph(grouped_gemm_wgrad, dy, x, m_splits, **kwargs)
+        return _outside_graph(validation.wgrad, (dy, x, m_splits, recipe, out, out_dtype, accumulate), backend)
     return DISPATCHER.run(validation.wgrad(dy, x, m_splits, recipe, out, out_dtype, accumulate), backend)
 
 
