@@ -71,6 +71,10 @@ class FrozenWeights:
 
     quantized: dict[str, MXTensor]
     stamp: tuple[tuple[int, int, tuple[int, int]], ...]
+    #: The weights' tensors at freeze time (aliases, not copies). Holding their storage keeps
+    #: its address from going to a replacement (``weight.data = new``, as checkpoint loaders
+    #: do), which the stamp's data pointer would otherwise take for the original.
+    sources: tuple[torch.Tensor, ...] = ()
 
 
 def _stamp(weights: list[torch.nn.Parameter]) -> tuple[tuple[int, int, tuple[int, int]], ...]:
@@ -214,22 +218,27 @@ class GroupedLinear(torch.nn.Module):
                 )
                 for op in ops
             }
-        self._frozen = FrozenWeights(quantized, _stamp(weights))
+        self._frozen = FrozenWeights(quantized, _stamp(weights), tuple(p.detach() for p in weights))
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, torch.save) has new weights, which a frozen copy's stamp cannot
         # match: mark a stale one so that it stays refused, and __setstate__ re-stamps the rest.
+        # The sources stay behind: the copy holds its own weights.
         state = super().__getstate__()
         frozen = self._frozen
-        if frozen is not None and _stamp(self.weights) != frozen.stamp:
-            state["_frozen"] = dataclasses.replace(frozen, stamp=())
+        if frozen is not None:
+            stale = _stamp(self.weights) != frozen.stamp
+            state["_frozen"] = dataclasses.replace(frozen, stamp=() if stale else frozen.stamp, sources=())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         frozen = state.get("_frozen")
         if frozen is not None and frozen.stamp:
-            self._frozen = dataclasses.replace(frozen, stamp=_stamp(self.weights))
+            weights = self.weights
+            self._frozen = dataclasses.replace(
+                frozen, stamp=_stamp(weights), sources=tuple(p.detach() for p in weights)
+            )
 
     def unfreeze_quantized_weights(self) -> None:
         """Drop the frozen copy: forwards quantize the current weights per call again."""

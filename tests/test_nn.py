@@ -345,6 +345,22 @@ def test_mx_frozen_weights_refuse_a_declared_untracked_write(on_reference, gen):
     assert torch.equal(layer(x, splits), 2 * before)
 
 
+def test_mx_frozen_weights_refuse_weights_replaced_at_a_reused_address(on_reference, gen):
+    """``weight.data = new`` twice (loading checkpoints) could hand the second replacement
+    the freed address of the weights the copy was made from; the stamp then matched and the
+    frozen copy of the original weights ran silently (6 of 10 tries on the CPU). The frozen
+    copy now holds its sources' storage, so every such forward is refused."""
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    for _ in range(10):
+        layer = _mx_layer(bias=False).requires_grad_(False)
+        layer.freeze_quantized_weights()
+        shape, dtype = layer.weight.shape, layer.weight.dtype
+        layer.weight.data = torch.randn(shape, generator=gen).to(dtype)
+        layer.weight.data = torch.randn(shape, generator=gen).to(dtype)
+        with pytest.raises(gg.InvalidArgumentError, match="freeze_quantized_weights"):
+            layer(x, [16, 0, 24, 8])
+
+
 def test_a_replaced_weight_of_another_shape_is_named(gen):
     """A weight parameter replaced by one with more experts was reported as a bad bias, or
     (without bias) as splits of the wrong length."""
