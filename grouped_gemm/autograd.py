@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from grouped_gemm.custom_ops import fwd_op
 from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
@@ -121,8 +122,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             )
         x, *weights = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
-        fused = plan.fuse_wgrad_accumulation
-        need_w = any(ctx.needs_input_grad[4:])
+        trained = ctx.needs_input_grad[4:]
+        need_w = any(trained)
+        fused = plan.fuse_wgrad_accumulation and need_w
+        if fused:
+            requested = _weights_requested(ctx.params, trained)
+            need_w = requested is not False  # backward(inputs=...) without the weights: no wgrad
+            fused = requested is True  # torch.autograd.grad: the gradients are returned instead
         gemms = ApiGemms(plan.m_splits, plan.recipe, plan.weight("dgrad", weights), ctx.bias_dtype)
         dx, dws, dbias = linear_backward(
             gemms,
@@ -132,11 +138,26 @@ class GroupedLinearFunction(torch.autograd.Function):
             need_x=ctx.needs_input_grad[0],
             need_w=need_w,
             need_bias=ctx.needs_input_grad[1],
-            main_grad=main_grads(ctx.params) if fused and need_w else None,
+            main_grad=main_grads(ctx.params, trained) if fused else None,
         )
-        if fused and need_w:
-            dws = [fused_grad_placeholder(p) for p in ctx.params]
+        if fused:
+            dws = [fused_grad_placeholder(p) if t else None for p, t in zip(ctx.params, trained, strict=True)]
         return (dx, dbias, None, None, *dws)
+
+
+def _weights_requested(params: Sequence[torch.Tensor], trained: Sequence[bool]) -> bool | None:
+    """Whether this backward accumulates into the trained weights (fused wgrad adds into their
+    ``main_grad`` only then): False for ``backward(inputs=...)`` that leaves them out, True
+    for a backward that includes them, None inside ``torch.autograd.grad``, whose engine does
+    not say this for leaves (it returns gradients rather than accumulating them)."""
+    try:
+        return any(
+            torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+            for p, t in zip(params, trained, strict=True)
+            if t
+        )
+    except RuntimeError:
+        return None
 
 
 def grouped_linear(
@@ -188,17 +209,14 @@ def run_grouped_linear(
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
     # Only a forward that will produce weight gradients needs the main_grad buffers (an
     # inference or frozen-weight call of a fused layer runs without them, compiled or not).
-    needs_main_grad = (
-        fuse_wgrad_accumulation
-        and torch.is_grad_enabled()
-        and any(isinstance(w, torch.Tensor) and w.requires_grad for w in weights)
-    )
+    trained = [isinstance(w, torch.Tensor) and w.requires_grad for w in weights]
+    needs_main_grad = fuse_wgrad_accumulation and torch.is_grad_enabled() and any(trained)
     if torch.compiler.is_compiling():
         splits, splits_tensor = split_args(m_splits)
-        bufs = main_grads(weights) if needs_main_grad else None
+        bufs = main_grads(weights, trained) if needs_main_grad else None
         y = fwd_op(x, weights, bias, splits, splits_tensor, key, bufs)
         return out.copy_(y) if out is not None else y
     if needs_main_grad:
-        main_grads(weights)
+        main_grads(weights, trained)
     plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, frozen or {})
     return GroupedLinearFunction.apply(x, bias, out, plan, *weights)

@@ -63,10 +63,18 @@ def check_no_aliasing(weights: Sequence[torch.Tensor], bufs: Sequence[torch.Tens
         )
 
 
-def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each weight's ``main_grad`` buffer, checked (fused wgrad accumulation adds into them)."""
+def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None = None) -> list[torch.Tensor]:
+    """Each weight's ``main_grad`` buffer, checked (fused wgrad accumulation adds into them).
+
+    A weight that does not train (``trained[i]`` False: a frozen expert of a
+    ``separate_weights`` layer, which Megatron gives no buffer) gets a zeroed scratch buffer
+    instead, so one wgrad call still serves every group and its result goes nowhere."""
     found = []
+    frozen = []
     for i, w in enumerate(weights):
+        if trained is not None and not trained[i]:
+            frozen.append(i)
+            continue
         name = "weight.main_grad" if len(weights) == 1 else f"weight{i}.main_grad"
         buf = getattr(w, "main_grad", None)
         if not isinstance(buf, torch.Tensor):
@@ -86,7 +94,10 @@ def main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         found.append(buf)
     # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
     if not torch.compiler.is_compiling():
-        check_no_aliasing(weights, found)
+        check_no_aliasing([w for i, w in enumerate(weights) if i not in frozen], found)
+    dtype = found[0].dtype if found else torch.float32
+    for i in frozen:
+        found.insert(i, torch.zeros(weights[i].shape, dtype=dtype, device=weights[i].device))
     return found
 
 

@@ -127,6 +127,72 @@ def test_a_compiled_fused_layer_needs_no_main_grad_without_weight_gradients(mode
         torch._dynamo.reset()
 
 
+def _fused_layer(separate: bool) -> gg.GroupedLinear:
+    layer = gg.GroupedLinear(
+        G, K, N, bias=False, recipe="fp32", separate_weights=separate, fuse_wgrad_accumulation=True
+    )
+    for w in layer.weights:
+        w.main_grad = torch.zeros_like(w)
+    return layer
+
+
+def _wgrad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return torch.stack([d.double().T @ a.double() for d, a in zip(dy.split(SPLITS), x.split(SPLITS), strict=True)])
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("ask", ["backward_inputs_x", "autograd_grad_x"])
+def test_fused_wgrad_adds_nothing_when_only_the_input_gradient_is_asked(ask, separate, gen):
+    """``backward(inputs=[x])`` or ``torch.autograd.grad(loss, x)`` (a gradient penalty) on
+    a fused layer added the weight gradient into main_grad anyway, so the step's real
+    backward left it at twice the true gradient; a non-fused layer leaves .grad alone."""
+    layer = _fused_layer(separate)
+    x = torch.randn(sum(SPLITS), K, generator=gen).requires_grad_()
+    dy = torch.randn(sum(SPLITS), N, generator=gen)
+    y = layer(x, SPLITS)
+    if ask == "backward_inputs_x":
+        y.backward(dy, inputs=[x])
+    else:
+        torch.autograd.grad(y, x, dy)
+    assert all(not w.main_grad.any() for w in layer.weights)
+    layer(x, SPLITS).backward(dy)  # the step's backward: exactly one wgrad
+    got = torch.stack([w.main_grad for w in layer.weights]) if separate else layer.weight.main_grad
+    assert torch.allclose(got.double(), _wgrad(x.detach(), dy), rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_grad_of_a_fused_weight_returns_it(gen):
+    """Inside ``torch.autograd.grad`` the fused layer returns the weight gradient asked for
+    (the engine does not say whether a leaf is asked, so nothing is accumulated there)."""
+    layer = _fused_layer(False)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    dy = torch.randn(sum(SPLITS), N, generator=gen)
+    (dw,) = torch.autograd.grad(layer(x, SPLITS), layer.weight, dy)
+    assert torch.allclose(dw.double(), _wgrad(x, dy), rtol=1e-5, atol=1e-5)
+    assert not layer.weight.main_grad.any()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_frozen_expert_of_a_fused_layer_gets_no_gradient_and_needs_no_main_grad(compiled, gen):
+    """``separate_weights`` with one expert frozen (fine-tuning some experts): its main_grad
+    received its wgrad, and without one (Megatron gives frozen parameters none) every forward
+    failed."""
+    torch._dynamo.reset()
+    layer = _fused_layer(True)
+    layer.weight1.requires_grad_(False)
+    del layer.weight1.main_grad
+    run = torch.compile(layer, backend="aot_eager") if compiled else layer
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    dy = torch.randn(sum(SPLITS), N, generator=gen)
+    try:
+        run(x, torch.tensor(SPLITS)).backward(dy)
+    finally:
+        torch._dynamo.reset()
+    want = _wgrad(x, dy)
+    assert not hasattr(layer.weight1, "main_grad") and layer.weight1.grad is None
+    for g in (0, 2):
+        assert torch.allclose(layer.weights[g].main_grad.double(), want[g], rtol=1e-5, atol=1e-5)
+
+
 # ---- separate_weights: a replaced bias{i} ------------------------------------------------------
 
 
