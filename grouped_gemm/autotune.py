@@ -39,6 +39,7 @@ import importlib.metadata
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -459,6 +460,16 @@ class Tuner:
         chosen = choose(tuning.timings, rank, close=tuning.close_call)
         if chosen is None:
             return dataclasses.replace(decision, tuning=tuning)
+        if not self._runs_config(chosen.backend, chosen.config, problem):
+            # A stored config this backend does not offer now (another release, a hand edit)
+            # would fail inside the backend's run: measure again instead.
+            warnings.warn(
+                f"ignoring the stored autotune choice {chosen.label} for {problem}: "
+                f"{chosen.backend} does not offer that config here; measuring again",
+                tuning_store.AutotuneCacheWarning,
+                stacklevel=2,
+            )
+            return dataclasses.replace(decision, tune_pending=not problem.capturing and problem.device.detected)
         if tuning.origin == "loaded":
             with self._lock:
                 self._loaded_used.add((self._file(problem.device)[0], tuning.key))
@@ -474,6 +485,17 @@ class Tuner:
         return dataclasses.replace(
             decision, candidates=candidates, selected=chosen.backend, config=chosen.config, tuning=tuning
         )
+
+    @staticmethod
+    def _runs_config(name: str, config: Config | None, problem: Problem) -> bool:
+        """Whether backend ``name`` offers ``config`` for ``problem`` now (None: its default
+        run, always)."""
+        if config is None:
+            return True
+        try:
+            return config in _configs(registry().get(name).backend, problem)
+        except Exception:  # noqa: BLE001 - unregistered, no run_config, a failing configs(): not offered
+            return False
 
     @staticmethod
     def _offers_configs(name: str) -> bool:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -144,7 +145,7 @@ class Tuning:
             Timing(
                 backend=str(t["backend"]),
                 config=_config(t.get("config")),
-                ms=None if t["ms"] is None else float(t["ms"]),
+                ms=None if t["ms"] is None else _duration(t["ms"]),
                 calls=int(t["calls"]),
                 note=str(t.get("note", "")),
             )
@@ -158,11 +159,20 @@ class Tuning:
             config=_config(data.get("config")),
             priority_choice=str(data["priority_choice"]),
             timings=timings,
-            cost_ms=float(data["cost_ms"]),
+            cost_ms=_duration(data["cost_ms"]),
             measured_at=str(data["measured_at"]),
             close_call=_close_call(data.get("close_call")),
             origin="loaded",
         )
+
+
+def _duration(value: Any) -> float:
+    """A stored time in ms: finite and not negative (a NaN ``json.dump`` writes, or a hand
+    edit, would otherwise win every comparison or none)."""
+    ms = float(value)
+    if not math.isfinite(ms) or ms < 0:
+        raise ValueError(f"a time of {value!r} ms")
+    return ms
 
 
 def _close_call(value: Any) -> CloseCall | None:
@@ -222,7 +232,7 @@ def load(path: Path, header: Mapping[str, Any]) -> dict[str, Tuning]:
 def _parse(path: Path, text: str, header: Mapping[str, Any], warn: bool) -> dict[str, Tuning]:
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: brackets nested too deep
         if warn:
             _warn(f"ignoring corrupt autotune cache {path}: {exc}")
         return {}
@@ -303,10 +313,13 @@ def read_any(path: Path) -> tuple[dict[str, Any], dict[str, Tuning]]:
     ``grouped-gemm tune --show``; ({}, {}) with a warning if it does not parse."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         _warn(f"ignoring unreadable autotune cache {path}: {type(exc).__name__}: {exc}")
         return {}, {}
     header = {k: v for k, v in data.items() if k not in ("entries", "schema")} if isinstance(data, dict) else {}
+    if not isinstance(header.get("versions", {}), dict):
+        _warn(f"ignoring corrupt autotune cache {path}: its versions are not a JSON object")
+        return {}, {}
     return header, _entries(path, data, header, warn=True)
 
 

@@ -578,6 +578,60 @@ def test_a_corrupt_or_stale_file_is_ignored_with_a_warning(only, gen):
         assert tuning_store.load(path, {**header, "versions": {"torch": "1.0"}}) == {}
 
 
+def _tuned_file(gen) -> tuple[Path, dict, torch.Tensor, torch.Tensor]:
+    """Tune one fwd signature (slow / fast fakes); the file, its document and the operands."""
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    problem = validation.fwd_or_dgrad("fwd", x, w, SPLITS, None, None, None).problem()
+    path = autotune.TUNER.file_for(problem.device)
+    return path, json.loads(path.read_text()), x, w
+
+
+def _reloaded() -> None:
+    """A fresh process's view: the tuner forgets the tables it read, the dispatcher its
+    routes (``configure`` drops them)."""
+    autotune.TUNER._tables.clear()
+    gg.configure(autotune=True)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["nested_brackets", "nan_time", "negative_time", "config_not_offered"],
+)
+def test_a_hand_edited_or_corrupt_entry_is_ignored_not_raised(edit, only, gen):
+    """A store file of deeply nested brackets raised RecursionError from the GEMM call; a NaN
+    (which json.dump writes) or negative time raised ValueError in the ranking; a stored
+    config the backend does not offer made every call fail inside the backend (or with an
+    AttributeError for a backend without run_config). Each is now ignored with a warning,
+    and the call runs."""
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    path, document, x, w = _tuned_file(gen)
+    entry = next(iter(document["entries"].values()))
+    if edit == "nested_brackets":
+        path.write_text("[" * 100_000)
+    else:
+        timing = next(t for t in entry["timings"] if t["backend"] == entry["choice"])
+        if edit == "config_not_offered":
+            timing["config"] = entry["config"] = {"bm": 7}
+        else:
+            timing["ms"] = math.nan if edit == "nan_time" else -0.5
+        path.write_text(json.dumps(document))
+    _reloaded()
+    with pytest.warns(AutotuneCacheWarning, match="corrupt|does not offer"):
+        _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+
+
+def test_tune_show_reports_a_corrupt_file_without_a_traceback(only, gen, capsys):
+    only(TimedBackend("slow", delay=0.003, priority=5), TimedBackend("fast"))
+    path, document, _, _ = _tuned_file(gen)
+    for bad in (json.dumps({**document, "versions": "2.13"}), "[" * 100_000):
+        path.write_text(bad)
+        with pytest.warns(AutotuneCacheWarning):
+            assert cli.main(["tune", "--show"]) == 0
+        assert "0 choice(s)" in capsys.readouterr().out
+
+
 def test_concurrent_writers_leave_a_valid_file_with_every_entry(tmp_path):
     path = tmp_path / "autotune" / "x.json"
     # tuning_store needs only the standard library: the writers load it without torch.
