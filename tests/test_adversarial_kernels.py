@@ -145,3 +145,17 @@ def test_tiny_blocks_decode_exactly(recipe, op, operand, gen):
     want = _run(recipe, op, a, b, "reference", _out(op))
     got = _run(recipe, op, a, b, BACKENDS[recipe], _out(op))
     assert sqnr_db(got, want) >= MIN_SQNR
+
+
+@pytest.mark.parametrize("arch", ["cpu", "sm_90", "gfx950"])
+@pytest.mark.parametrize(("fmt", "recipe"), [("e4m3", "mxfp8"), ("e2m1", "mxfp4")])
+def test_dgrad_over_an_empty_contraction_with_a_prequantized_weight_is_zero(arch, fmt, recipe):
+    """N=0 dgrad with a pre-quantized E4M3 weight reached the sm_90 layout builder, which
+    failed viewing the empty codes as int32; the sum over nothing is zeros."""
+    dy, w = torch.randn(6, 0), torch.randn(2, 0, 64)
+    out = poison(torch.empty(6, 64))
+    with emulated(arch):
+        got = gg.grouped_gemm_dgrad(
+            gg.quantize_mx(dy, fmt), gg.quantize_mx_weight(w, fmt, op="dgrad"), [2, 4], recipe=recipe, out=out
+        )
+    assert got is out and not got.any()

@@ -60,9 +60,9 @@ def run(problem: Problem, inputs: GroupedInputs, config: Mapping[str, Any] | Non
     name = "x" if problem.op == "fwd" else "dy"
     device = inputs.b.device
     out = inputs.output(problem)
-    if problem.m == 0:
+    if problem.m == 0 or (problem.k if problem.op == "fwd" else problem.n) == 0:
         operands.activation(problem, inputs.a, name)  # an unfit MXTensor is refused all the same
-        return out
+        return out.zero_() if problem.m else out  # an empty contraction sums nothing
     splits = launch.device_splits(inputs.m_splits, device, inputs.capturing)
     if scaled:
         act = operands.activation(problem, inputs.a, name)
