@@ -86,8 +86,9 @@ def all_to_all(
 
     Every rank must call it, and (under autograd) run its backward, the same number of times.
     Each rank's splits are checked before the exchange: a negative size makes the collective
-    read and write out of bounds. (That rank r's ``send_splits`` equals what rank r's peers
-    expect in ``recv_splits`` cannot be checked without another collective.)
+    read and write out of bounds, and the rows a rank sends itself must be the rows it
+    receives from itself. (That rank r's ``send_splits`` equals what rank r's peers expect in
+    ``recv_splits`` cannot be checked without another collective.)
     """
     if not isinstance(rows, torch.Tensor):
         raise InvalidTypeError("rows", rows, "a torch.Tensor of rows to send")
@@ -100,6 +101,11 @@ def all_to_all(
     recv = _rank_splits("recv_splits", recv_splits, world)
     if sum(send) != rows.shape[0]:
         raise InvalidArgumentError("send_splits", send, f"sizes summing to rows.shape[0]={rows.shape[0]}")
+    me = dist.get_rank(group)
+    if send[me] != recv[me]:  # the one pair a rank can check alone: the rows it keeps
+        raise InvalidArgumentError(
+            "recv_splits", recv, f"recv_splits[{me}] == send_splits[{me}]={send[me]} (this rank's rows to itself)"
+        )
     return _AllToAll.apply(rows, send, recv, group)
 
 
