@@ -112,7 +112,9 @@ def _bias_grad_impl(dy: torch.Tensor, splits: Sequence[int] | None, splits_tenso
     m_splits = splits_from_args(splits, splits_tensor)
     check_tensor(dy, "dy", 2, "(M, N)")
     splits_operand(m_splits, group_count(m_splits), dy.shape[0], "dy", dy.device)
-    return bias_grad(dy, m_splits)
+    # fp32 whatever dy is: autograd casts it to the bias's dtype, so an fp32 bias of a bf16
+    # layer gets the fp32 sum (as eager does), not one rounded to bf16 on the way.
+    return bias_grad(dy, m_splits, torch.float32)
 
 
 bias_grad_op = torch.library.custom_op(
@@ -121,7 +123,7 @@ bias_grad_op = torch.library.custom_op(
     mutates_args=(),
     schema="(Tensor dy, SymInt[]? splits, Tensor? splits_tensor) -> Tensor",
 )
-bias_grad_op.__doc__ = "``dbias[g] = sum of dy[rows of g]`` -> ``(G, N)``, summed in fp32."
+bias_grad_op.__doc__ = "``dbias[g] = sum of dy[rows of g]`` -> ``(G, N)`` float32, summed in fp32."
 
 
 def _groups(splits: Sequence[int] | None, splits_tensor: torch.Tensor | None) -> Any:
@@ -173,7 +175,7 @@ def _wgrad_accumulate_fake(
 
 @bias_grad_op.register_fake
 def _bias_grad_fake(dy: torch.Tensor, splits: Sequence[int] | None, splits_tensor: torch.Tensor | None) -> torch.Tensor:
-    return dy.new_empty((_groups(splits, splits_tensor), dy.shape[1]))
+    return dy.new_empty((_groups(splits, splits_tensor), dy.shape[1]), dtype=torch.float32)
 
 
 def _fwd_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:

@@ -179,6 +179,25 @@ def test_functional_calls_run_outside_the_graph(gen):
             torch.compile(call, backend="eager", fullgraph=True)()
 
 
+def test_an_fp32_bias_of_a_bf16_layer_gets_the_same_gradient_compiled(gen):
+    """The compiled bias-gradient op returned dy's dtype, so the fp32 bias of a bf16 layer
+    got its gradient rounded to bf16 (eager sums in fp32 and keeps it)."""
+    layer = gg.GroupedLinear(3, 32, 16, dtype=torch.bfloat16)
+    layer.bias = torch.nn.Parameter(layer.bias.detach().float())
+    x = torch.randn(40, 32, generator=gen).bfloat16()
+    dy = torch.randn(40, 16, generator=gen).bfloat16()
+    splits = torch.tensor([10, 0, 30])
+    grads = []
+    for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        run(x, splits).backward(dy)
+        grads.append(layer.bias.grad.clone())
+        layer.zero_grad()
+    want = torch.stack([d.double().sum(0) for d in dy.split([10, 0, 30])])
+    assert grads[0].dtype == grads[1].dtype == torch.float32
+    assert torch.equal(grads[1], grads[0])
+    assert torch.allclose(grads[0].double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_host_list_splits_compile_and_match_eager(gen):
     """A host list is legal under fullgraph; Dynamo guards on its values (see docs/module.md)."""
     torch.manual_seed(0)
