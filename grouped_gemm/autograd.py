@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from grouped_gemm.custom_ops import fwd_op
-from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
+from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError
 from grouped_gemm.linear import (
     ApiGemms,
     Splits,
@@ -207,6 +207,10 @@ def run_grouped_linear(
         check_layer_bias(bias, weights, x)
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+        # Eager, the forward wrote such a result and its backward then failed on dy's dtype;
+        # compiled, it was rounded to x's dtype first: one rule for both.
+        raise DTypeError("out", out, f"dtype {x.dtype}, like x (the layer's result)")
     # Only a forward that will produce weight gradients needs the main_grad buffers (an
     # inference or frozen-weight call of a fused layer runs without them, compiled or not).
     trained = [isinstance(w, torch.Tensor) and w.requires_grad for w in weights]

@@ -193,6 +193,22 @@ def test_a_frozen_expert_of_a_fused_layer_gets_no_gradient_and_needs_no_main_gra
         assert torch.allclose(layer.weights[g].main_grad.double(), want[g], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_out_buffer_of_another_dtype_is_named_at_forward(compiled, gen):
+    """Eager, an fp32 ``out`` for a bf16 layer (or the reverse) ran its forward and failed
+    in backward with a DTypeError about ``dy``, an argument the caller never passed;
+    compiled, the same call trained on a result rounded to the layer's dtype first."""
+    torch._dynamo.reset()
+    layer = gg.GroupedLinear(G, K, N, dtype=torch.bfloat16)
+    run = torch.compile(layer, backend="aot_eager") if compiled else layer
+    x = torch.randn(sum(SPLITS), K, generator=gen).bfloat16().requires_grad_()
+    try:
+        with pytest.raises(gg.DTypeError, match=r"^out=.*dtype torch\.bfloat16"):
+            run(x, torch.tensor(SPLITS), out=torch.empty(sum(SPLITS), N))
+    finally:
+        torch._dynamo.reset()
+
+
 # ---- separate_weights: a replaced bias{i} ------------------------------------------------------
 
 
