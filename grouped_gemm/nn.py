@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
@@ -201,6 +202,17 @@ class GroupedLinear(torch.nn.Module):
         if not recipe.is_mx:
             raise InvalidArgumentError("recipe", recipe.name, "an MX recipe (plain recipes have nothing to quantize)")
         _flag("backward", backward)
+        names = [f"weight{i}" for i in range(self.num_groups)] if self.separate_weights else ["weight"]
+        parametrized = [name for name in names if parametrize.is_parametrized(self, name)]
+        if parametrized:
+            # Such a weight is a new tensor at every access: no stamp can tell whether its
+            # source changed, so the copy could neither be trusted nor kept.
+            raise InvalidArgumentError(
+                parametrized[0],
+                "parametrized (torch.nn.utils.parametrize)",
+                "a plain parameter to freeze a quantized copy of; remove the parametrization first "
+                "(parametrize.remove_parametrizations) or run without freezing",
+            )
         ops = {"fwd": ("in_features", self.in_features)}
         if backward:
             ops["dgrad"] = ("out_features", self.out_features)

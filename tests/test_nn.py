@@ -361,6 +361,24 @@ def test_mx_frozen_weights_refuse_weights_replaced_at_a_reused_address(on_refere
             layer(x, [16, 0, 24, 8])
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_mx_freeze_refuses_a_parametrized_weight(separate):
+    """A parametrized weight (torch.nn.utils.parametrize) is a new tensor at every access:
+    forwards were refused at random with advice to freeze again that could not help, and
+    some ran on the stale copy after the source changed. Freezing it is refused, named."""
+    from torch.nn.utils import parametrize
+
+    class Half(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 0.5
+
+    layer = gg.GroupedLinear(2, 32, 32, bias=False, recipe="mxfp8", separate_weights=separate)
+    name = "weight1" if separate else "weight"
+    parametrize.register_parametrization(layer, name, Half())
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^{name}=.*parametriz"):
+        layer.freeze_quantized_weights()
+
+
 def test_a_replaced_weight_of_another_shape_is_named(gen):
     """A weight parameter replaced by one with more experts was reported as a bad bias, or
     (without bias) as splits of the wrong length."""
