@@ -28,9 +28,11 @@ import torch
 
 from grouped_gemm import backend
 from grouped_gemm.custom_ops import dgrad_op, fwd_op
+from grouped_gemm.errors import DTypeError
 from grouped_gemm.linear import split_args
-from grouped_gemm.recipe_codec import op_recipe
+from grouped_gemm.recipe_codec import op_recipe, recipe_from_key
 from grouped_gemm.recipes import Recipe
+from grouped_gemm.vocabulary import dtype_name
 
 __all__ = ["backend", "gmm"]
 
@@ -58,6 +60,9 @@ def gmm(
         batch_sizes, b.shape[0], a.shape[0], a.device, read_host=not torch.compiler.is_compiling()
     )
     key = op_recipe(recipe, a)
+    plain = recipe_from_key(key).plain_dtype if recipe is not None and not torch.compiler.is_compiling() else None
+    if plain is not None and dtype_name(a.dtype) != plain:  # named as gmm's own argument, not the op's
+        raise DTypeError("a", a, f"dtype {plain}: recipe {recipe_from_key(key).name} computes in it (b like a)")
     splits, splits_tensor = split_args(sizes)
     if trans_b:
         return fwd_op(a, [b], None, splits, splits_tensor, key, None)

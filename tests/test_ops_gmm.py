@@ -135,3 +135,12 @@ def test_gpu_gmm_matches_float64(trans_b):
     assert rel_error(out, out64) < 1e-2
     assert rel_error(a.grad, a64.grad) < 1e-2
     assert rel_error(b.grad, b64.grad) < 1e-2
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_a_recipe_of_another_dtype_names_a(trans_b, gen):
+    """A recipe whose dtype ``a`` does not have was reported with the op's own operand
+    names (``dy`` / ``x`` and ``w``); gmm's arguments are ``a`` and ``b``."""
+    a, b = torch.randn(8, 32, generator=gen), torch.randn(3, 32, 32, generator=gen)
+    with pytest.raises(gg.DTypeError, match=r"^a=.*bfloat16"):
+        ops.gmm(a, b, torch.tensor([3, 0, 5]), trans_b, recipe="bf16")
