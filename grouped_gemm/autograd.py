@@ -193,6 +193,13 @@ def run_grouped_linear(
 ) -> torch.Tensor:
     """``grouped_linear``, plus ``GroupedLinear``'s frozen MX weights (eager only; the
     compiled op always quantizes the parameters it is given)."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise InvalidArgumentError(
+            "grouped_linear",
+            "called under a torch.func transform (grad, vmap, jacrev, ...)",
+            "plain autograd: the layer's backward runs the dispatcher's GEMMs on real tensors, which "
+            "functorch's wrapped tensors are not; use torch.autograd.grad / .backward()",
+        )
     key = op_recipe(recipe, x)
     if isinstance(weight, torch.Tensor):
         weights = [weight]

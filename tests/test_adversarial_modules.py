@@ -209,6 +209,20 @@ def test_an_out_buffer_of_another_dtype_is_named_at_forward(compiled, gen):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_by_name(transform, gen):
+    """torch.func.grad over functional_call (per-sample gradients, meta-learning) and vmap
+    failed inside torch with its note about autograd.Function.setup_context."""
+    layer = gg.GroupedLinear(G, K, N, dtype=torch.float32)
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    with pytest.raises(gg.InvalidArgumentError, match=r"^grouped_linear=.*torch\.func"):
+        if transform == "grad":
+            torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x, SPLITS)).sum())(params)
+        else:
+            torch.func.vmap(lambda xx: layer(xx, SPLITS))(x[None].expand(2, -1, -1))
+
+
 # ---- separate_weights: a replaced bias{i} ------------------------------------------------------
 
 
