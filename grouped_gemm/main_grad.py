@@ -71,6 +71,7 @@ def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None =
     instead, so one wgrad call still serves every group and its result goes nowhere."""
     found = []
     frozen = []
+    first_name = ""
     for i, w in enumerate(weights):
         if trained is not None and not trained[i]:
             frozen.append(i)
@@ -90,14 +91,15 @@ def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None =
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
         if found and buf.dtype != found[0].dtype:  # one wgrad call writes every buffer
-            raise DTypeError(name, buf, f"dtype {found[0].dtype}, like weight0.main_grad (one dtype for all)")
+            raise DTypeError(name, buf, f"dtype {found[0].dtype}, like {first_name} (one dtype for all)")
+        first_name = first_name if found else name
         found.append(buf)
-    # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
-    if not torch.compiler.is_compiling():
-        check_no_aliasing([w for i, w in enumerate(weights) if i not in frozen], found)
     dtype = found[0].dtype if found else torch.float32
     for i in frozen:
         found.insert(i, torch.zeros(weights[i].shape, dtype=dtype, device=weights[i].device))
+    # Dynamo cannot trace storage pointers: under torch.compile the fwd op checks at run time.
+    if not torch.compiler.is_compiling():
+        check_no_aliasing(weights, found)  # (a fresh scratch buffer overlaps nothing)
     return found
 
 
