@@ -160,11 +160,14 @@ class GroupedLinear(torch.nn.Module):
         return self._recipe_key
 
     @property
+    def _weight_names(self) -> list[str]:
+        """The weight parameters' names: ``["weight"]`` or ``["weight0", ..., "weight{G-1}"]``."""
+        return [f"weight{i}" for i in range(self.num_groups)] if self.separate_weights else ["weight"]
+
+    @property
     def weights(self) -> list[torch.nn.Parameter]:
-        """The weight parameters: ``[weight]`` or ``[weight0, ..., weight{G-1}]``."""
-        if self.separate_weights:
-            return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
-        return [self.weight]
+        """The weight parameters, in ``_weight_names``' order."""
+        return [getattr(self, name) for name in self._weight_names]
 
     @property
     def biases(self) -> list[torch.nn.Parameter]:
@@ -202,8 +205,7 @@ class GroupedLinear(torch.nn.Module):
         if not recipe.is_mx:
             raise InvalidArgumentError("recipe", recipe.name, "an MX recipe (plain recipes have nothing to quantize)")
         _flag("backward", backward)
-        names = [f"weight{i}" for i in range(self.num_groups)] if self.separate_weights else ["weight"]
-        parametrized = [name for name in names if parametrize.is_parametrized(self, name)]
+        parametrized = [name for name in self._weight_names if parametrize.is_parametrized(self, name)]
         if parametrized:
             # Such a weight is a new tensor at every access: no stamp can tell whether its
             # source changed, so the copy could neither be trusted nor kept.
