@@ -60,9 +60,10 @@ def gmm(
         batch_sizes, b.shape[0], a.shape[0], a.device, read_host=not torch.compiler.is_compiling()
     )
     key = op_recipe(recipe, a)
-    plain = recipe_from_key(key).plain_dtype if recipe is not None and not torch.compiler.is_compiling() else None
-    if plain is not None and dtype_name(a.dtype) != plain:  # named as gmm's own argument, not the op's
-        raise DTypeError("a", a, f"dtype {plain}: recipe {recipe_from_key(key).name} computes in it (b like a)")
+    if recipe is not None and not torch.compiler.is_compiling():  # named as gmm's own argument, not the op's
+        resolved = recipe_from_key(key)
+        if resolved.plain_dtype is not None and dtype_name(a.dtype) != resolved.plain_dtype:
+            raise DTypeError("a", a, f"dtype {resolved.plain_dtype}: recipe {resolved.name} computes in it (b like a)")
     splits, splits_tensor = split_args(sizes)
     if trans_b:
         return fwd_op(a, [b], None, splits, splits_tensor, key, None)
