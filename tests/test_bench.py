@@ -538,3 +538,30 @@ def test_host_overhead_profile_writes_the_top_functions(tmp_path):
     variants = {"bare": 0, "gg a16w4 x": 1, "gg bf16 reused": 2, "gg mxfp8 y": 3}
     assert list(module.selected(variants, "a16w4, reused")) == ["bare", "gg a16w4 x", "gg bf16 reused"]
     assert list(module.selected(variants, "")) == list(variants)
+
+
+def test_host_overhead_pairs_each_block_with_a_bare_block(tmp_path):
+    """``paired_rows`` times a bare block right before every variant block and reads the
+    variant's cost over bare from those pairs: a host that slows down between rounds (here
+    +50 us a call from the second round on) moves both blocks of a pair alike, so the
+    paired figure stays the variant's own +7 us while the unpaired medians drift."""
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    own = {"bare": 20.0, "gg": 27.0, "gg mx": 45.0}
+    variants = {name: (lambda name=name: name) for name in own}
+    log: list[str] = []
+
+    def timer(fn, calls):
+        name = fn()
+        log.append(name)
+        assert calls == 3
+        drift = 50.0 if len(log) > 2 * len(own) else 0.0
+        return own[name] + drift
+
+    rows = module.paired_rows(variants, 3, 4, timer)
+    assert [r["variant"] for r in rows] == ["bare", "gg", "gg mx"]
+    assert all(log[i - 1] == "bare" for i, name in enumerate(log) if name != "bare")  # each after a bare block
+    assert [r["over_bare_us"] for r in rows] == [0.0, 7.0, 25.0]
+    assert [r["best_over_best_us"] for r in rows] == [0.0, 7.0, 25.0]
+    assert rows[1]["host_us"] == 77.0  # the unpaired median: three of its four blocks ran slow
