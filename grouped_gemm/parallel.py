@@ -353,14 +353,23 @@ class ExpertParallelMoE(torch.nn.Module):
             raise InvalidArgumentError(
                 "state", f"missing keys {missing}, unexpected keys {unexpected}", f"exactly the keys {sorted(expected)}"
             )
-        local = dict(state)
-        for key in self._expert_keys():
-            full = state[key]
+        # Checked here, not left to load_state_dict: its RuntimeError names no allowed shape,
+        # and it would silently cast integer or complex tensors into the parameters.
+        expert_keys = set(self._expert_keys())
+        local = {}
+        for key, mine in self.state_dict().items():
+            full, name, stacked = state[key], f"state[{key!r}]", key in expert_keys
+            note = f" (num_experts={self.num_experts} experts' tensors, stacked)" if stacked else ""
             if not isinstance(full, torch.Tensor):
-                raise InvalidTypeError(f"state[{key!r}]", full, "a tensor (every expert's, stacked)")
-            if full.dim() < 1 or full.shape[0] != self.num_experts:
-                raise ShapeError(f"state[{key!r}]", full, f"a leading dimension of num_experts={self.num_experts}")
-            local[key] = full[self.expert_range.start : self.expert_range.stop]
+                raise InvalidTypeError(name, full, "a tensor" + note)
+            if not full.is_floating_point():
+                raise DTypeError(name, full, "a floating-point tensor (it is copied into a parameter)")
+            if full.is_meta:
+                raise InvalidArgumentError(name, full, "a tensor with data (not on the meta device)")
+            shape = (self.num_experts, *mine.shape[1:]) if stacked else tuple(mine.shape)
+            if tuple(full.shape) != shape:
+                raise ShapeError(name, full, f"shape {shape}{note}")
+            local[key] = full[self.expert_range.start : self.expert_range.stop] if stacked else full
         self.load_state_dict(local)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -363,5 +363,27 @@ def test_single_process_without_a_group_checks_its_arguments():
         layer.load_full_state_dict({**state, "down.weight": state["down.weight"][:3]})
 
 
+def test_load_full_state_dict_names_a_tensor_of_the_wrong_shape_dtype_or_device():
+    """Each used to reach ``load_state_dict``: a wrong shape raised torch's RuntimeError,
+    a meta tensor "Cannot copy out of meta tensor", an integer tensor was cast silently."""
+    layer = ExpertParallelMoE(4, HIDDEN, FFN, 2, recipe="fp32", bias=True)
+    state = layer.state_dict()
+    bad = {
+        "gate_up.weight": (torch.randn(4, 2 * FFN), gg.ShapeError, rf"shape \(4, {2 * FFN}, {HIDDEN}\)"),
+        "down.bias": (torch.randn(4, HIDDEN + 1), gg.ShapeError, rf"shape \(4, {HIDDEN}\) \(num_experts=4"),
+        "router.weight": (torch.randn(3, HIDDEN), gg.ShapeError, rf"shape \(4, {HIDDEN}\)"),
+        "down.weight": (torch.ones(4, HIDDEN, FFN, dtype=torch.int32), gg.DTypeError, "a floating-point"),
+        "gate_up.bias": (torch.randn(4, 2 * FFN, device="meta"), gg.InvalidArgumentError, "not on the meta device"),
+    }
+    for key, (value, error, message) in bad.items():
+        with pytest.raises(error, match=rf"state\['{key}'\]=Tensor.* is invalid: .*{message}"):
+            layer.load_full_state_dict({**state, key: value})
+    with pytest.raises(gg.InvalidTypeError, match=r"state\['router.weight'\]=\[1.0\] is invalid: a tensor"):
+        layer.load_full_state_dict({**state, "router.weight": [1.0]})
+    good = {k: torch.randn(v.shape, dtype=torch.float64) for k, v in state.items()}
+    layer.load_full_state_dict(good)
+    assert all(torch.equal(v.double(), good[k].float().double()) for k, v in layer.state_dict().items())
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
