@@ -96,6 +96,10 @@ def all_to_all(
         raise ShapeError("rows", rows, "a tensor of at least one dimension (rows to send)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise InvalidTypeError("group", group, "a torch.distributed ProcessGroup (None: the default group)")
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgumentError(
+            "group", group, "a ProcessGroup, or None once torch.distributed.init_process_group has run"
+        )
     world = dist.get_world_size(group)
     send = _rank_splits("send_splits", send_splits, world)
     recv = _rank_splits("recv_splits", recv_splits, world)

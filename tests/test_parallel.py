@@ -385,5 +385,15 @@ def test_load_full_state_dict_names_a_tensor_of_the_wrong_shape_dtype_or_device(
     assert all(torch.equal(v.double(), good[k].float().double()) for k, v in layer.state_dict().items())
 
 
+def test_all_to_all_without_a_process_group_is_named():
+    """``group=None`` before ``init_process_group`` escaped as torch's ValueError
+    ("Default process group has not been initialized")."""
+    from grouped_gemm.parallel import all_to_all
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(gg.InvalidArgumentError, match=r"^group=None is invalid: .*init_process_group"):
+        all_to_all(torch.randn(3, 2), [3], [3], None)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
