@@ -4,8 +4,11 @@ invariants, packing, axis and padding consistency, and round-trip SQNR."""
 
 from __future__ import annotations
 
+import copy
+import io
 import itertools
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -265,6 +268,39 @@ def test_leading_dims_and_empty_tensors(gen):
     empty = gg.quantize_mx(torch.empty(0, 64), "e2m1")
     assert empty.data.shape == (0, 32) and empty.scale.shape == (0, 2)
     assert empty.dequantize().shape == (0, 64)
+
+
+def _round_trip(q: gg.MXTensor, how: str) -> gg.MXTensor:
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(q))
+    if how == "deepcopy":
+        return copy.deepcopy(q)
+    buf = io.BytesIO()
+    torch.save({"w": q}, buf)
+    buf.seek(0)
+    return torch.load(buf)["w"]  # the default, weights_only=True
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_an_mxtensor_survives_pickling(gen, fmt, how):
+    """``pickle.dumps`` of an fp8 MXTensor raised torch's ``AttributeError: type object
+    'torch.storage.UntypedStorage' has no attribute 'dtype'``, and ``torch.load`` (weights
+    only, torch's default) refused the class; both now give back the same tensor."""
+    x = torch.randn(36, 5, generator=gen)
+    q = gg.quantize_mx(x, fmt, axis=0, block_size=8, pad=True)
+    r = _round_trip(q, how)
+    assert (r.fmt, r.axis, r.shape, r.pad, r.block_size) == (fmt, 0, (36, 5), 4, 8)
+    assert r.data.dtype == q.data.dtype and torch.equal(r.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(r.scale, q.scale) and torch.equal(r.dequantize(), q.dequantize())
+
+
+def test_an_unpickled_mxtensor_is_checked_like_a_new_one():
+    """Unpickling used to set the fields without the constructor's checks."""
+    q = gg.quantize_mx(torch.randn(4, 64), "e4m3")
+    object.__setattr__(q, "shape", (4, 96))
+    with pytest.raises(gg.ShapeError, match=r"^data=.*shape \(4, 96\)"):
+        pickle.loads(pickle.dumps(q))
 
 
 # Round-trip SQNR on N(0, 1) data, 1024 x 1024, seed 0 (the figures in docs/mx_formats.md).

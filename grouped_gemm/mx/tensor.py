@@ -236,9 +236,28 @@ class MXTensor:
         logical = (*lead, blocks.shape[-2] * BLOCK_SIZE)
         return cls(data=data, scale=scales, fmt=f.name, axis=len(logical) - 1, shape=logical)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Pickle ``data`` as its bytes and rebuild through the constructor: torch cannot
+        pickle float8 tensors (``UntypedStorage has no attribute 'dtype'``), and a loaded
+        MXTensor gets the same checks as a new one."""
+        parts = (self.data.view(torch.uint8), self.scale, self.fmt, self.axis, self.shape, self.pad, self.block_size)
+        return _from_pickle, parts
+
     def __repr__(self) -> str:
         pad = f", pad={self.pad}" if self.pad else ""
         return (
             f"MXTensor(fmt={self.fmt}, shape={self.shape}, axis={self.axis}{pad}, "
             f"block_size={self.block_size}, device={self.device})"
         )
+
+
+def _from_pickle(data: torch.Tensor, scale: torch.Tensor, fmt: str, *rest: object) -> MXTensor:
+    """``MXTensor.__reduce__``'s inverse: ``data`` back from bytes to the format's storage dtype."""
+    f = FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if f is not None and isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
+        data = data.view(f.storage)
+    return MXTensor(data, scale, fmt, *rest)  # type: ignore[arg-type]
+
+
+# torch.load's default (weights_only) unpickler calls only allowlisted functions.
+torch.serialization.add_safe_globals([_from_pickle])
