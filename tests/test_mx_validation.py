@@ -204,3 +204,27 @@ def test_backends_see_the_mx_format_in_eligibility(ops, register):
     text = str(decision)
     assert "pre-quantized MX e2m1 tensor; accepted MX formats: none" in text
     assert decision.selected == "reference"
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "text"),
+    [
+        (torch.float16, gg.InvalidTypeError, r"^device=torch.float16 is invalid: .*dequantize\(dtype\)"),
+        (torch.uint8, gg.InvalidTypeError, r"^device=torch.uint8 is invalid: .*dequantize\(dtype\)"),
+        (None, gg.InvalidTypeError, r"^device=None is invalid"),
+        ("gpu0", gg.InvalidArgumentError, r"^device='gpu0' is invalid: a device name such as"),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_mxtensor_to_takes_a_device_only(gen, fmt, device, error, text):
+    """``q.to(torch.float16)`` converted the codes and failed in the constructor as
+    ``data=... is invalid`` (an argument the caller never passed); a bad device name raised
+    torch's RuntimeError. Moving to a device still keeps every byte."""
+    q = gg.quantize_mx(torch.randn(4, 64, generator=gen), fmt)
+    with pytest.raises(error, match=text):
+        q.to(device)
+    for target in ("cpu", torch.device("cpu"), "meta"):
+        moved = q.to(target)
+        assert moved.device == torch.device(target) and moved.data.dtype == q.data.dtype
+    moved = q.to("cpu")
+    assert torch.equal(moved.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(moved.scale, q.scale)

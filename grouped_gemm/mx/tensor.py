@@ -190,8 +190,18 @@ class MXTensor:
     def is_contiguous(self) -> bool:
         return self.data.is_contiguous() and self.scale.is_contiguous()
 
-    def to(self, device: torch.device | str) -> MXTensor:
-        """The same quantized tensor on ``device``."""
+    def to(self, device: torch.device | str | int) -> MXTensor:
+        """The same quantized tensor on ``device``. Only moves: ``data.to(dtype)`` would turn the
+        codes into numbers (``dequantize(dtype)`` does that), so a dtype is refused here."""
+        if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+            raise InvalidTypeError(
+                "device", device, "a torch.device, a device name or index (for a dtype, use dequantize(dtype))"
+            )
+        if isinstance(device, str):
+            try:
+                device = torch.device(device)
+            except RuntimeError:
+                raise InvalidArgumentError("device", device, "a device name such as 'cpu' or 'cuda:0'") from None
         return dataclasses.replace(self, data=self.data.to(device), scale=self.scale.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
