@@ -97,7 +97,9 @@ def _short(value: Any, limit: int = 120) -> str:
         import torch
 
         if isinstance(value, torch.Tensor):
-            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+            # A nested tensor's .shape raises (jagged ones have none of ints): say what it is.
+            shape = "nested" if value.is_nested else f"shape={tuple(value.shape)}"
+            return f"Tensor({shape}, dtype={value.dtype}, device={value.device})"
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
     text = repr(value)

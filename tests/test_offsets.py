@@ -196,6 +196,19 @@ def test_offsets_refuse_bad_splits_by_name(bad, error, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_is_named_not_crashed_on():
+    """Every error naming a nested tensor crashed while writing its message (``.shape``
+    raises on one: torch's "NestedTensorImpl doesn't support sizes"), here and in
+    ``gg.grouped_gemm``."""
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])])
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=Tensor\(nested, dtype=torch.int64, device=cpu\) is invalid"):
+        gg.offsets(nested)
+    x = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+    with pytest.raises(gg.ShapeError, match=r"^x=Tensor\(nested, dtype=torch.float32"):
+        gg.grouped_gemm(x, torch.randn(2, 4, 8), [2, 3])
+
+
 def test_offsets_of_offsets_on_another_device_is_refused():
     with pytest.raises(gg.DeviceMismatchError, match="device"):
         gg.offsets(gg.offsets([1, 2]), device="meta")
