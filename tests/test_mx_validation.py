@@ -228,3 +228,32 @@ def test_mxtensor_to_takes_a_device_only(gen, fmt, device, error, text):
         assert moved.device == torch.device(target) and moved.data.dtype == q.data.dtype
     moved = q.to("cpu")
     assert torch.equal(moved.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(moved.scale, q.scale)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors", "ignore:Sparse CSR tensor support")
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: gg.quantize_mx(x.to_sparse(), "e4m3"),
+        lambda x: gg.quantize_mx(x.to_sparse_csr(), "e2m1"),
+        lambda x: gg.quantize_mx(torch.nested.nested_tensor([x, x[:3]]), "e4m3"),
+        lambda x: gg.quantize_mx_rows(x.to_sparse(), [32, 32], "e4m3"),
+        lambda x: gg.quantize_mx_weight([x.to_sparse()], "e4m3"),
+    ],
+)
+def test_quantizers_name_a_sparse_or_nested_input(gen, call):
+    """A sparse input failed inside torch ("reshape is not implemented for sparse tensors",
+    "Could not run 'aten::index.Tensor' with arguments from the 'SparseCPU' backend"), a
+    nested one with "NestedTensorImpl doesn't support sizes"."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^t=Tensor.* is invalid: a dense \(strided, not nested\)"):
+        call(torch.randn(64, 64, generator=gen))
+
+
+@pytest.mark.parametrize("part", ["data", "scale"])
+def test_mxtensor_names_a_sparse_part(gen, part):
+    """A sparse ``data`` or ``scale`` was accepted, then ``dequantize`` (and the kernels)
+    failed inside torch ("Could not run 'aten::bitwise_and.Tensor' ... 'SparseCPU'")."""
+    q = gg.quantize_mx(torch.randn(4, 64, generator=gen), "e2m1")
+    parts = {"data": q.data, "scale": q.scale, "fmt": "e2m1", "axis": 1, "shape": (4, 64)}
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^{part}=Tensor.* is invalid: a dense"):
+        gg.MXTensor(**{**parts, part: parts[part].to_sparse()})

@@ -24,6 +24,8 @@ def check_args(
     """(format, non-negative axis, zeros to append) for valid arguments, else a clear error."""
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError("t", t, "a torch.Tensor")
+    if t.layout != torch.strided or t.is_nested:  # the quantizers reshape and index t
+        raise InvalidArgumentError("t", t, "a dense (strided, not nested) tensor; call .to_dense()")
     if t.dtype not in INPUT_DTYPES:
         raise DTypeError("t", t, "dtype torch.float32, torch.bfloat16 or torch.float16")
     f = FORMATS.get(fmt) if isinstance(fmt, str) else None

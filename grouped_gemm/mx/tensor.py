@@ -117,6 +117,9 @@ class MXTensor:
             raise InvalidTypeError("data", self.data, "a torch.Tensor")
         if not isinstance(self.scale, torch.Tensor):
             raise InvalidTypeError("scale", self.scale, "a uint8 torch.Tensor of E8M0 scales")
+        for name, part in (("data", self.data), ("scale", self.scale)):
+            if part.layout != torch.strided or part.is_nested:  # kernels and dequantize index them
+                raise InvalidArgumentError(name, part, "a dense (strided, not nested) tensor")
         fmt = FORMATS.get(self.fmt) if isinstance(self.fmt, str) else None
         if fmt is None:
             raise InvalidArgumentError("fmt", self.fmt, f"one of {', '.join(FORMATS)}")
