@@ -245,7 +245,7 @@ def test_quantizers_name_a_sparse_or_nested_input(gen, call):
     """A sparse input failed inside torch ("reshape is not implemented for sparse tensors",
     "Could not run 'aten::index.Tensor' with arguments from the 'SparseCPU' backend"), a
     nested one with "NestedTensorImpl doesn't support sizes"."""
-    with pytest.raises(gg.InvalidArgumentError, match=r"^t=Tensor.* is invalid: a dense \(strided, not nested\)"):
+    with pytest.raises(gg.InvalidArgumentError, match=r"^[tw]=Tensor.* is invalid: a dense \(strided, not nested\)"):
         call(torch.randn(64, 64, generator=gen))
 
 
@@ -257,3 +257,18 @@ def test_mxtensor_names_a_sparse_part(gen, part):
     parts = {"data": q.data, "scale": q.scale, "fmt": "e2m1", "axis": 1, "shape": (4, 64)}
     with pytest.raises(gg.InvalidArgumentError, match=rf"^{part}=Tensor.* is invalid: a dense"):
         gg.MXTensor(**{**parts, part: parts[part].to_sparse()})
+
+
+@pytest.mark.parametrize(
+    ("w", "kwargs", "error", "text"),
+    [
+        (lambda: torch.randn(2, 16, 64, dtype=torch.float64), {}, gg.DTypeError, "dtype torch.float32"),
+        (lambda: [torch.randn(16, 64, dtype=torch.float64)], {}, gg.DTypeError, "dtype torch.float32"),
+        (lambda: torch.randn(2, 16, 64), {"op": "dgrad"}, gg.ShapeError, "axis 1 length 16 must be a multiple"),
+        (lambda: torch.randn(2, 16, 48), {}, gg.ShapeError, "axis 2 length 48 must be a multiple"),
+    ],
+)
+def test_quantize_mx_weight_names_w(w, kwargs, error, text):
+    """Its checks ran inside quantize_mx and named ``t=``, an argument quantize_mx_weight has not."""
+    with pytest.raises(error, match=rf"^w=Tensor.* is invalid: {text}"):
+        gg.quantize_mx_weight(w(), "e4m3", **kwargs)

@@ -52,6 +52,7 @@ def quantize_mx_weight(
         w = torch.stack(list(w))
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ShapeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
+    check_args(w, fmt, _WEIGHT_AXIS[op], scale_rule, block_size, pad, argument="w")  # quantize_mx would say t=
     return quantize_mx(w, fmt, axis=_WEIGHT_AXIS[op], scale_rule=scale_rule, block_size=block_size, pad=pad)
 
 

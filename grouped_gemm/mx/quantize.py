@@ -19,15 +19,16 @@ def scale_rule_name(scale_rule: object) -> str:
 
 
 def check_args(
-    t: object, fmt: object, axis: object, scale_rule: object, block_size: object, pad: object
+    t: object, fmt: object, axis: object, scale_rule: object, block_size: object, pad: object, argument: str = "t"
 ) -> tuple[MXFormat, int, int]:
-    """(format, non-negative axis, zeros to append) for valid arguments, else a clear error."""
+    """(format, non-negative axis, zeros to append) for valid arguments, else a clear error
+    naming the tensor as the caller's ``argument``."""
     if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError("t", t, "a torch.Tensor")
+        raise InvalidTypeError(argument, t, "a torch.Tensor")
     if t.layout != torch.strided or t.is_nested:  # the quantizers reshape and index t
-        raise InvalidArgumentError("t", t, "a dense (strided, not nested) tensor; call .to_dense()")
+        raise InvalidArgumentError(argument, t, "a dense (strided, not nested) tensor; call .to_dense()")
     if t.dtype not in INPUT_DTYPES:
-        raise DTypeError("t", t, "dtype torch.float32, torch.bfloat16 or torch.float16")
+        raise DTypeError(argument, t, "dtype torch.float32, torch.bfloat16 or torch.float16")
     f = FORMATS.get(fmt) if isinstance(fmt, str) else None
     if f is None:
         raise InvalidArgumentError("fmt", fmt, f"one of {', '.join(FORMATS)}")
@@ -37,7 +38,7 @@ def check_args(
         raise InvalidTypeError("pad", pad, "True or False")
     ndim = t.dim()
     if ndim == 0:
-        raise ShapeError("t", t, "a tensor with at least one dimension (the block axis)")
+        raise ShapeError(argument, t, "a tensor with at least one dimension (the block axis)")
     if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
         raise InvalidArgumentError("axis", axis, f"an int in [-{ndim}, {ndim}) for a {ndim}-D tensor")
     axis %= ndim
@@ -45,7 +46,7 @@ def check_args(
     missing = -length % block_size
     if missing and not pad:
         raise ShapeError(
-            "t",
+            argument,
             t,
             f"axis {axis} length {length} must be a multiple of block_size={block_size} (or pass pad=True to "
             "append zeros)",
