@@ -84,6 +84,28 @@ def test_rows_pad_each_group_and_keep_tight_offsets(gen, fmt, align, splits):
         assert sqnr_db(back, t) > (15 if fmt == "e2m1" else 24)
 
 
+def test_rows_keep_their_own_copy_of_host_splits(gen):
+    """MXRows.m_splits was the caller's list: editing it after the call changed what the
+    rows claimed to hold ([3, 7] became [5, 7] over rows quantized as [3, 7])."""
+    t = torch.randn(10, 64, generator=gen)
+    splits = [3, 7]
+    rows = gg.quantize_mx_rows(t, splits, "e4m3")
+    splits[0] = 5
+    assert rows.m_splits == [3, 7] and rows.offsets.tolist() == [0, 3, 10]
+    want = gg.quantize_mx(t[:3], "e4m3", axis=0, pad=True).dequantize(torch.float64)
+    assert torch.equal(rows.dequantize(torch.float64)[:3], want)
+
+
+def test_rows_refuse_offsets_written_in_place(gen):
+    """Offsets whose sizes were edited in place (still summing to M) were quantized by the
+    new sizes, while every GEMM call refuses them; now quantize_mx_rows refuses them too."""
+    t = torch.randn(10, 64, generator=gen)
+    offsets = gg.offsets([3, 7])
+    offsets.splits[:] = torch.tensor([4, 6])
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=GroupOffsets.* is invalid: .*written in place"):
+        gg.quantize_mx_rows(t, offsets, "e4m3")
+
+
 def test_rows_accept_cpu_split_tensors(gen):
     t = torch.randn(50, 32, generator=gen)
     a = gg.quantize_mx_rows(t, torch.tensor([20, 30]), "e4m3")

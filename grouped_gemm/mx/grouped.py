@@ -114,6 +114,10 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
     """(host list or None, int64 sizes on ``device``) for validated-enough splits
     (a ``gg.offsets`` result counts as its ``splits`` tensor)."""
     if type(m_splits) is GroupOffsets:
+        if m_splits.written():  # as every GEMM call refuses them
+            raise SplitsError(
+                "m_splits", m_splits, "gg.offsets(...) as built: its splits or ends were written in place since"
+            )
         m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
         if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
@@ -168,4 +172,5 @@ def quantize_mx_rows(
         padded_splits = [-(-s // align) * align for s in host]
     else:
         padded_splits = torch.diff(padded_offsets)
-    return MXRows(tensor, m_splits, padded_splits, offsets, padded_offsets, align)
+    # Host sizes as the private list: the caller's list may change after this call.
+    return MXRows(tensor, host if host is not None else m_splits, padded_splits, offsets, padded_offsets, align)
