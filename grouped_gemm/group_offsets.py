@@ -116,14 +116,18 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
 
 
 def _target_device(device: Any) -> torch.device | None:
-    """``offsets``' ``device`` as a torch.device: a string torch cannot parse is named here,
-    not in a RuntimeError from torch."""
+    """``offsets``' ``device`` as a torch.device: a string torch cannot parse, or a GPU that
+    is not there, is named here, not in a RuntimeError from torch."""
     if device is None:
         return None
     try:
-        return torch.device(device)
+        target = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
         raise InvalidArgumentError("device", device, "a torch.device or a name such as 'cpu' or 'cuda:0'") from None
+    # A GPU this process cannot use failed in the pinned copy, with torch's RuntimeError.
+    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
+        raise InvalidArgumentError("device", device, f"a GPU this process sees ({torch.cuda.device_count()} visible)")
+    return target
 
 
 def _from_host(values: list[int], device: torch.device) -> GroupOffsets:

@@ -209,6 +209,15 @@ def test_a_nested_tensor_is_named_not_crashed_on():
         gg.grouped_gemm(x, torch.randn(2, 4, 8), [2, 3])
 
 
+@pytest.mark.parametrize("splits", [[1, 2], torch.tensor([1, 2])])
+def test_offsets_on_a_gpu_that_is_not_there_is_named(splits):
+    """``device='cuda'`` without a GPU raised torch's "pin_memory=True requires a CUDA or
+    other accelerator backend"; an index past the visible GPUs, "invalid device ordinal"."""
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^device='{missing}' is invalid: a GPU this process sees"):
+        gg.offsets(splits, device=missing)
+
+
 def test_offsets_of_offsets_on_another_device_is_refused():
     with pytest.raises(gg.DeviceMismatchError, match="device"):
         gg.offsets(gg.offsets([1, 2]), device="meta")
