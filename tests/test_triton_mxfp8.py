@@ -21,7 +21,7 @@ import triton.language as tl
 import grouped_gemm as gg
 from grouped_gemm.backends.triton_mx import TritonMxfp8Backend, launch, layouts_e4m3
 from grouped_gemm.backends.triton_mx.upcast_kernel import _block
-from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
+from grouped_gemm.backends.triton_mx.weight_prep_kernel import E4M3_HIGH_WORDS, layout_word
 from grouped_gemm.device import emulated
 from grouped_gemm.errors import BackendRunError, InvalidArgumentError
 from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_weight
@@ -236,10 +236,10 @@ def test_upcast_layout_round_trip(op, gen):
     w = quantize_mx_weight(torch.randn(2, 64, 160, generator=gen), "e4m3", op=op)
     lay = layouts_e4m3.build_upcast_weight_e4m3(w)
     runs = lay.k_padded // 128
-    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (q, j // 2, b), byte (j % 2, h)
-    codes = data.reshape(2, lay.rows, runs, 4, 2, 4, 2, 2)  # g, row, run, q, j // 2, b, j % 2, h
-    codes = codes.permute(0, 1, 2, 5, 4, 6, 3, 7).reshape(2, lay.rows, -1)[..., : lay.k_red]
-    assert [layouts_e4m3.word_index(q, b, high) for q in range(4) for high in range(2) for b in range(4)] == list(
+    data = lay.data.contiguous().view(torch.uint8)  # g, row, run, word (j // 2, q, b), byte (j % 2, h)
+    codes = data.reshape(2, lay.rows, runs, 2, 4, 4, 2, 2)  # g, row, run, j // 2, q, b, j % 2, h
+    codes = codes.permute(0, 1, 2, 5, 3, 6, 4, 7).reshape(2, lay.rows, -1)[..., : lay.k_red]
+    assert [layouts_e4m3.word_index(q, b, high) for high in range(2) for q in range(4) for b in range(4)] == list(
         range(32)
     )
     words = lay.scales.transpose(1, 2)
@@ -261,8 +261,8 @@ def _decode_tile(W, stride_w, S, Out, BN: tl.constexpr, PTX: tl.constexpr, FOLD:
     rn = tl.arange(0, BN)
     run_scales = tl.load(S + rn)
     for b in tl.static_range(4):
-        words = W + rn[:, None] * stride_w + layout_word(tl.arange(0, 4)[None, :], b, 8)
-        values = _block(tl.load(words), tl.load(words + 4), run_scales, b, PTX, FOLD, "e4m3")
+        words = W + rn[:, None] * stride_w + layout_word(tl.arange(0, 4)[None, :], b)
+        values = _block(tl.load(words), tl.load(words + E4M3_HIGH_WORDS), run_scales, b, PTX, FOLD, "e4m3")
         tl.store(Out + rn[:, None] * 128 + 32 * b + tl.arange(0, 32)[None, :], values)
 
 

@@ -6,12 +6,16 @@ contraction zero-padded to 128, scales (G, Kp/128, rows) int32, run-major words)
 eight elements one thread holds of a 32-block in wgmma's register fragment (elements
 ``32b + 8j + 2q + h``, j in 0..3, h in 0..1, for ``q = lane % 4``) fill two int32 words,
 the low one j = 0, 1 and the high one j = 2, 3, element ``8j + 2q + h`` at byte
-``2 (j % 2) + h`` (``word_index``: word ``8q + 4 (j // 2) + b``). A thread's low words of
-the four blocks of a run are one 16-byte piece and its high words the next, the shape in
-which E2M1's words load: the kernel decodes E4M3 four blocks a step on every tile as E2M1
-does, where int64 words (this layout until 2026-12-04) could not keep the wgmma layout on
-8-warp tiles at four blocks (the decoded tile went through shared memory). Only the word
-positions differ from E2M1: the decode is ``decode.e4m3_words_to_bf16``.
+``2 (j % 2) + h``. The low words of a run come first, as E2M1's words lie (word ``4q + b``),
+and the high words 16 words on (``word_index``): a thread's low words of the four blocks
+of a run are one 16-byte piece and its high words another, the shape in which E2M1's words
+load, so the kernel decodes E4M3 four blocks a step on every tile as E2M1 does (int64 words,
+this layout until 2026-12-04, could not keep the wgmma layout on 8-warp tiles at four
+blocks). Keeping the halves apart makes each of the two loads read whole 32-byte sectors
+(the first and the last 64 bytes of a row's run); with a thread's low and high pieces side
+by side (``8q + 4 (j // 2) + b``, until 2026-12-06) each load read half of every sector of
+the run. Only the word positions differ from E2M1: the decode is
+``decode.e4m3_words_to_bf16``.
 
 NaN codes (0x7F, 0xFF): the sm_90 decode has no select for them, so the builder gives every
 32-block holding one the NaN scale byte 0xFF. A GEMM output element that reads a NaN
@@ -26,19 +30,24 @@ from __future__ import annotations
 import torch
 
 from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcast_weight
+from grouped_gemm.backends.triton_mx.weight_prep_kernel import E4M3_HIGH_WORDS
 from grouped_gemm.mx import MXTensor
+
+#: Words from a low word of a run to its high word (the module docstring says why).
+HIGH_WORDS: int = E4M3_HIGH_WORDS.value
 
 
 def word_index(q: int, b: int, high: int) -> int:
     """The int32 word of a 128-run that holds thread-quad position ``q``'s elements j = 0, 1
     (``high`` 0) or j = 2, 3 (``high`` 1) of 32-block ``b`` (the module docstring says why
     this order)."""
-    return 8 * q + 4 * high + b
+    return 4 * q + b + HIGH_WORDS * high
 
 
-#: Names this layout in the backend's version, so tunings stored for the int64-word layout
-#: (whose two-block tiles this one cannot run) are not loaded.
-LAYOUT = "e4m3-halves"
+#: Names this layout in the backend's version, so tunings stored for earlier layouts (the
+#: int64 words, whose two-block tiles this one cannot run; the side-by-side halves, timed
+#: at other speeds) are not loaded.
+LAYOUT = "e4m3-halves-apart"
 #: Largest scale byte whose folded multiplier 2^(e - 7) is a finite bf16.
 FOLD_MAX_SCALE = 134
 NAN_SCALE = 255
@@ -57,9 +66,9 @@ def build_upcast_weight_e4m3(mx: MXTensor, check_scales: bool = False) -> Upcast
     scale = torch.where(nan_blocks, torch.full_like(scale, NAN_SCALE), scale)
     codes = torch.nn.functional.pad(codes, (0, k_padded - k_red))
     # Element 32b + 8j + 2q + h of each 128-run (j = 2 * jh + jl) -> int32 word
-    # 8q + 4 jh + b, byte 2 jl + h; run-major.
+    # 16 jh + 4q + b, byte 2 jl + h; run-major.
     split = codes.reshape(groups, rows, runs, 4, 2, 2, 4, 2)  # g, row, run, b, jh, jl, q, h
-    ordered = split.permute(0, 2, 1, 6, 4, 3, 5, 7).contiguous()  # g, run, row, q, jh, b, jl, h
+    ordered = split.permute(0, 2, 1, 4, 6, 3, 5, 7).contiguous()  # g, run, row, jh, q, b, jl, h
     data = ordered.reshape(groups, runs, rows, 32, 4).view(torch.int32).reshape(groups, runs, rows, 32).transpose(1, 2)
     blocks = torch.nn.functional.pad(scale, (0, (k_padded - k_red) // 32)).contiguous()
     scales = blocks.view(torch.int32).transpose(1, 2).contiguous()

@@ -35,7 +35,7 @@ from grouped_gemm.backends.triton_mx.decode import (
     narrow,
 )
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
-from grouped_gemm.backends.triton_mx.weight_prep_kernel import layout_word
+from grouped_gemm.backends.triton_mx.weight_prep_kernel import E4M3_HIGH_WORDS, layout_word
 
 
 @triton.jit
@@ -117,11 +117,11 @@ def _step(
     run = (k // 128) * stride_wr
     q = tl.arange(0, 4)[None, :, None]
     b = first + tl.arange(0, BLOCKS)[None, None, :]
-    # Word 4q + b (E2M1, layouts); E4M3 words 8q + b and 8q + 4 + b, its two halves (layouts_e4m3).
-    cols = run + layout_word(q, b, 8 if W_FMT == "e4m3" else 4)
+    # Word 4q + b (E2M1, layouts; E4M3's low halves, its high halves E4M3_HIGH_WORDS on: layouts_e4m3).
+    cols = run + layout_word(q, b)
     words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
     if W_FMT == "e4m3":
-        high = tl.load(w_rows[:, None, None] + cols + 4, mask=n_ok[:, None, None], other=0)
+        high = tl.load(w_rows[:, None, None] + cols + E4M3_HIGH_WORDS, mask=n_ok[:, None, None], other=0)
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)

@@ -31,6 +31,9 @@ import triton.language as tl
 from grouped_gemm.backends.triton_mx.decode import E2M1_BITS, rotate_left
 from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
 
+#: Words from an E4M3 low word of a run to its high word (``layouts_e4m3`` says why 16).
+E4M3_HIGH_WORDS = tl.constexpr(16)
+
 
 @triton.jit
 def _words(codes, ROWS: tl.constexpr):
@@ -89,10 +92,11 @@ def _pack(code, j, h, J_AXIS: tl.constexpr, H_AXIS: tl.constexpr, NBITS: tl.cons
 @triton.jit
 def _store_words(ptrs, words, mask, NBITS: tl.constexpr):
     """E2M1 int32 words at ``ptrs``; E4M3 int64 words as their low int32 half at ``ptrs``
-    (``layout_word``) and their high half four words on (``layouts_e4m3.word_index``)."""
+    (``layout_word``) and their high half ``E4M3_HIGH_WORDS`` words on
+    (``layouts_e4m3.word_index``)."""
     if NBITS == 8:
         tl.store(ptrs, words.to(tl.int32), mask=mask)
-        tl.store(ptrs + 4, (words >> 32).to(tl.int32), mask=mask)
+        tl.store(ptrs + E4M3_HIGH_WORDS, (words >> 32).to(tl.int32), mask=mask)
     else:
         tl.store(ptrs, words, mask=mask)
 
@@ -131,12 +135,10 @@ def _arrange_e2m1(words):
 
 
 @triton.jit
-def layout_word(q, b, NBITS: tl.constexpr):
-    """The int32 word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py)
-    or, for E4M3, ``8q + b`` for elements j = 0, 1 and four on for j = 2, 3
-    (``layouts_e4m3.word_index``). The upcast kernel reads the words by it too."""
-    if NBITS == 8:
-        return 8 * q + b
+def layout_word(q, b):
+    """The int32 word of a run holding position q of block b: ``4q + b`` (E2M1, layouts.py;
+    E4M3's elements j = 0, 1, whose j = 2, 3 lie ``E4M3_HIGH_WORDS`` on:
+    ``layouts_e4m3.word_index``). The upcast kernel reads the words by it too."""
     return 4 * q + b
 
 
@@ -211,7 +213,7 @@ def quantize_upcast_kernel(
         code = tl.where(nonfinite[None, None, :, None, :], 0, code)
         words = _pack(code, j, h, 0, 1, NBITS)  # (b, q, row)
         row3 = row0 + tl.arange(0, ROWS)[None, None, :]
-        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None], NBITS)
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, :, None], tl.arange(0, 4)[:, None, None])
     else:
         j = tl.arange(0, 4)[:, None, None, None]
         b = tl.arange(0, 4)[None, :, None, None]
@@ -227,7 +229,7 @@ def quantize_upcast_kernel(
         hh = tl.arange(0, 2)[None, None, None, None, :]
         words = _pack(tl.reshape(code, (4, 4, ROWS, 4, 2)), jj, hh, 0, 4, NBITS)  # (b, row, q)
         row3 = row0 + tl.arange(0, ROWS)[None, :, None]
-        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None], NBITS)
+        offsets = row3 * sd_row + layout_word(tl.arange(0, 4)[None, None, :], tl.arange(0, 4)[:, None, None])
     _store_words(data_ptr + g * sd_g + run * sd_run + offsets, words, row3 < rows, NBITS)
     _store_scales(scale_ptr, g, run, row0, rows, scale_bytes, ss_g, ss_run, ROWS)
 
