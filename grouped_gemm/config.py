@@ -302,11 +302,14 @@ def use_backends(
         debug=debug,
         autotune=autotune,
     )
-    token = _scopes.set(_scopes.get() + (frame,))
+    _scopes.set(_scopes.get() + (frame,))
     try:
         yield
     finally:
-        _scopes.reset(token)
+        # Remove this frame only, not ``reset`` to the frames of entry: a scope exited out of
+        # order (a generator's scope closed after the caller's, an ExitStack misused) would
+        # otherwise bring back frames already exited, and route every later call by them.
+        _scopes.set(tuple(s for s in _scopes.get() if s is not frame))
 
 
 def _after_fork() -> None:

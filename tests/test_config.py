@@ -99,3 +99,32 @@ def test_log_level_applies_to_the_logger(monkeypatch):
     assert logging.getLogger("grouped_gemm").level == logging.DEBUG
     gg.configure(log_level="WARNING")
     assert logging.getLogger("grouped_gemm").level == logging.WARNING
+
+
+def test_a_scope_exited_out_of_order_leaves_no_frame_behind():
+    """A generator's scope that closes after its caller's scope used to restore the caller's
+    (already exited) scope, routing every later call of the thread by it."""
+
+    def steps():
+        with gg.use_backends("reference"):
+            yield
+            yield
+
+    def order() -> tuple[str, ...]:
+        return gg.explain(groups=2, m=8, n=8, k=8).order
+
+    assert order() == ()
+    with gg.use_backends("torch_grouped_mm"):
+        paused = steps()
+        next(paused)  # its scope is entered inside ours and outlives it
+    assert order() == ("reference",)
+    for _ in paused:
+        pass
+    assert order() == ()
+    outer, inner = gg.use_backends("reference"), gg.use_backends("torch_grouped_mm")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert order() == ("torch_grouped_mm",)
+    inner.__exit__(None, None, None)
+    assert order() == ()
