@@ -12,8 +12,10 @@ import os
 import threading
 from collections.abc import Callable
 
+from pydantic import ValidationError
+
 from grouped_gemm.contract import BackendLike, BackendSpec
-from grouped_gemm.errors import DuplicateBackendError, InvalidTypeError, UnknownBackendError
+from grouped_gemm.errors import DuplicateBackendError, InvalidArgumentError, InvalidTypeError, UnknownBackendError
 from grouped_gemm.plugins import PluginFailure, collect
 
 #: The methods dispatch calls on a backend (``priority`` and ``prepare`` are optional): one
@@ -84,6 +86,7 @@ class Registry:
             method = getattr(backend, hook, None)
             if method is not None and not callable(method):
                 raise InvalidTypeError(f"backend.{hook}", method, f"a method {hook}(problem, ...) of the backend")
+        spec = _validated(spec)
         with self._lock:
             existing = self._entries.get(spec.name)
             if existing is not None:
@@ -125,6 +128,20 @@ class Registry:
 
     def names(self) -> frozenset[str]:
         return frozenset(self._entries)
+
+
+def _validated(spec: BackendSpec) -> BackendSpec:
+    """``spec`` validated again: ``model_copy(update=...)`` (a built-in's spec adapted, say)
+    skips validation, and an unchecked ``n_multiple=0`` would fail every decision, for every
+    backend, while ``recipes="bf16"`` would be read as a set of letters."""
+    try:
+        return type(spec).model_validate(dict(spec))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        raise InvalidArgumentError(
+            f"backend.spec.{field}", error.get("input"), f"{error['msg']} (backend {spec.name!r})"
+        ) from None
 
 
 _registry = Registry()

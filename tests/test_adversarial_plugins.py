@@ -400,3 +400,24 @@ def test_bench_checks_every_output_path_before_it_runs(flag, where, tmp_path, ca
     assert main(["bench", flag, str(path), *small, "--no-peer", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"{flag.removeprefix('--')}={str(path)!r} is invalid" in err
+
+
+@pytest.mark.parametrize(
+    ("update", "field"),
+    [
+        ({"n_multiple": 0}, "n_multiple"),  # was: ZeroDivisionError in every call's decision
+        ({"recipes": "fp32"}, "recipes"),  # was: read as the set of letters f, p, 3, 2
+        ({"m_multiple": 3}, "m_multiple"),
+        ({"name": "Not A Name"}, "name"),
+    ],
+)
+def test_a_spec_copied_with_unvalidated_updates_is_refused(update, field, gen):
+    # model_copy(update=...) skips pydantic's validation; the registry took such a spec as is.
+    backend = _Zeros("copied", 0)
+    backend.spec = backend.spec.model_copy(update=update)
+    with pytest.raises(gg.InvalidArgumentError, match=rf"backend\.spec\.{field}=") as caught:
+        gg.register_backend(backend)
+    assert caught.value.argument == f"backend.spec.{field}"
+    assert backend.spec.name not in [info.name for info in gg.list_backends()]
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    torch.testing.assert_close(gg.grouped_gemm(x, w, [2, 4]).double(), ref_fwd(x, w, [2, 4]))
