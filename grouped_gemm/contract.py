@@ -85,18 +85,19 @@ class BackendSpec(BaseModel):
     dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
     out_dtypes: frozenset[DTypeName] = frozenset(FLOAT_DTYPE_NAMES)
     mx_formats: frozenset[Literal["e4m3", "e5m2", "e2m1"]] = frozenset()
-    m_multiple: int = Field(default=1, ge=1)
-    n_multiple: int = Field(default=1, ge=1)
-    k_multiple: int = Field(default=1, ge=1)
-    min_k: int = Field(default=0, ge=0)
-    max_groups: int | None = Field(default=None, ge=1)
-    max_padding: float | None = Field(default=None, ge=1.0)
+    # Numbers are strict: ``priority=True`` or ``m_multiple="8"`` is a mistake, not a 1 or an 8.
+    m_multiple: int = Field(default=1, ge=1, strict=True)
+    n_multiple: int = Field(default=1, ge=1, strict=True)
+    k_multiple: int = Field(default=1, ge=1, strict=True)
+    min_k: int = Field(default=0, ge=0, strict=True)
+    max_groups: int | None = Field(default=None, ge=1, strict=True)
+    max_padding: float | None = Field(default=None, ge=1.0, strict=True)
     host_splits: bool = False
     accumulate: bool = True
     weight_list: bool = False
     non_contiguous: bool = True
     deterministic: bool = True
-    priority: int = 0
+    priority: int = Field(default=0, strict=True)
 
     @field_validator("name")
     @classmethod

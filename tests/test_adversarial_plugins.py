@@ -421,3 +421,12 @@ def test_a_spec_copied_with_unvalidated_updates_is_refused(update, field, gen):
     assert backend.spec.name not in [info.name for info in gg.list_backends()]
     x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
     torch.testing.assert_close(gg.grouped_gemm(x, w, [2, 4]).double(), ref_fwd(x, w, [2, 4]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("priority", True), ("priority", "90"), ("m_multiple", True), ("min_k", 32.0)]
+)
+def test_a_spec_number_of_another_type_is_refused(field, value):
+    # Pydantic's lax mode took priority=True as 1 and "90" as 90: a bool priority ranked silently.
+    with pytest.raises(ValueError, match=rf"{field}\n.*valid integer"):
+        gg.BackendSpec(name="typed", **SPEC, **{field: value})
