@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -101,6 +102,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(HookSpecs)
     plugins, failures = _available_plugins()
+    registered: list[tuple[str, Any]] = []
     for name, module in plugins:
         if manager.is_registered(module):
             continue
@@ -108,7 +110,12 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
             manager.register(module, name=name)
         except Exception as exc:  # noqa: BLE001 - e.g. a hookimpl with a wrong signature
             failures.append(_failure(name, "register", exc))
-    for impl in _builtins_first(manager.hook.grouped_gemm_backends.get_hookimpls()):
+        else:
+            registered.append((name, module))
+    impls = manager.hook.grouped_gemm_backends.get_hookimpls()
+    providing = {impl.plugin_name for impl in impls}
+    failures += [_hookless(name, module) for name, module in registered if name not in providing]
+    for impl in _builtins_first(impls):
         name = impl.plugin_name
 
         def add(backend: Any, _plugin: str = name) -> None:
@@ -127,6 +134,20 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
         except _PLUGIN_ERRORS as exc:  # a failing hook spares the other plugins
             failures.append(_failure(name, "backends", exc))
     return failures
+
+
+def _hookless(plugin: str, module: Any) -> PluginFailure:
+    """The failure of a plugin that provides no backends hook: pluggy ignores a hook that is
+    undecorated or misspelled, so the plugin's backends would be missing without a word."""
+    namespace = getattr(module, "__dict__", {})
+    marked = sorted(a for a, v in namespace.items() if inspect.isfunction(v) and hasattr(v, f"{PROJECT}_impl"))
+    if callable(getattr(module, "grouped_gemm_backends", None)):
+        error = "its grouped_gemm_backends is not decorated with @grouped_gemm.hookimpl"
+    else:
+        error = f"{type(module).__name__} {module!r:.80} has no @grouped_gemm.hookimpl function grouped_gemm_backends"
+        error += f" (its hookimpls {', '.join(marked)} are not grouped_gemm hooks)" if marked else ""
+    LOGGER.warning("grouped_gemm plugin %s provides no backends: %s", plugin, error)
+    return PluginFailure(plugin=plugin, stage="hooks", error=f"provides no backends: {error}")
 
 
 def _builtins_first(impls: list[Any]) -> list[Any]:

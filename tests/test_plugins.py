@@ -140,3 +140,35 @@ def test_every_built_in_backend_loads():
     assert [str(f) for f in gg.plugin_failures()] == []
     names = {b.plugin for b in gg.list_backends()}
     assert set(DEFAULT_PLUGINS) <= names
+
+
+HOOKLESS = {
+    # pluggy ignores both without a word: the plugin's backends were missing, no failure said why
+    "gg_misspelled": """
+        import grouped_gemm as gg
+
+        @gg.hookimpl
+        def grouped_gemm_backend():
+            return []
+    """,
+    "gg_undecorated": """
+        def grouped_gemm_backends():
+            return []
+    """,
+}
+
+
+def test_a_plugin_whose_hook_pluggy_ignores_is_a_failure(tmp_path):
+    for module, source in HOOKLESS.items():
+        install_plugin(tmp_path, module, {module: source})
+    proc = run_python(tmp_path, REPORT)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    failures = {plugin: (stage, error) for plugin, stage, error in report["failures"]}
+    stage, error = failures["gg_misspelled (gg_misspelled)"]
+    assert stage == "hooks" and "no @grouped_gemm.hookimpl function grouped_gemm_backends" in error
+    assert "grouped_gemm_backend are not grouped_gemm hooks" in error
+    stage, error = failures["gg_undecorated (gg_undecorated)"]
+    assert stage == "hooks" and "not decorated with @grouped_gemm.hookimpl" in error
+    assert not any(plugin.startswith("grouped_gemm.backends") for plugin in failures)
+    assert report["ran"] == 6
