@@ -141,7 +141,7 @@ def fwd_or_dgrad(
     else:
         check_operand(a, a_arg, "(M, K)" if fwd else "(M, N)")
         a_format = mx_format(a)
-    if isinstance(w, torch.Tensor) and w.dim() == 3 and w.shape[0] >= 1:
+    if isinstance(w, torch.Tensor) and w.dim() == 3 and not w.is_nested and w.shape[0] >= 1:
         groups, n, k = w.shape
         is_list = False
         w0 = w
@@ -290,6 +290,8 @@ def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor
 def check_tensor(value: Any, argument: str, ndim: int, dims: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(argument, value, f"a torch.Tensor of shape {dims}")
+    if value.is_nested:  # its dim() counts the components' dims plus one; its shape raises
+        raise InvalidArgumentError(argument, value, f"a dense tensor of shape {dims}, not a nested tensor")
     if value.dim() != ndim:
         raise ShapeError(argument, value, f"a {ndim}-D tensor of shape {dims}, got {value.dim()}-D")
     return value

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,13 @@ def _meta(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
 
+def _nested(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A nested tensor of ``parts`` (its dim() counts one more than theirs; its shape raises)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor(parts)
+
+
 # (label, value) per argument role; shapes are those of the role in each op.
 def _bad_activation(rows: int, cols: int) -> list[tuple[str, Any]]:
     good = torch.randn(rows, cols)
@@ -70,6 +78,7 @@ def _bad_activation(rows: int, cols: int) -> list[tuple[str, Any]]:
         ("complex", good.to(torch.complex64)),
         ("bool", good > 0),
         ("sparse_coo", good.to_sparse()),
+        ("nested", _nested([good[:1], good[1:]])),
         ("meta", _meta((rows, cols))),
         ("requires_grad", good.clone().requires_grad_()),
         ("bf16_vs_fp32", good.bfloat16()),
@@ -93,6 +102,7 @@ def _bad_weight(op: str) -> list[tuple[str, Any]]:
         ("float64", w.double()),
         ("int", w.int()),
         ("sparse_coo", w.to_sparse()),
+        ("nested", _nested(list(w))),
         ("meta", _meta((G, N, K))),
         ("requires_grad", w.clone().requires_grad_()),
         ("wrong_groups", torch.randn(G + 1, N, K)),

@@ -198,3 +198,18 @@ def test_a_wgrad_out_list_is_named_as_out(gen):
     out = [torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.bfloat16)]
     with pytest.raises(gg.DTypeError, match=r"^out\[1\]=.*every group's out has dtype torch.float32"):
         gg.grouped_gemm_wgrad(dy, x, [2, 2], out=out)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_operands_are_named_as_nested(gen):
+    """A nested weight crashed in torch ("NestedTensorImpl doesn't support sizes") and a
+    nested activation was called 3-D (its dim() counts one more than its parts')."""
+    x, w = torch.randn(5, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
+    nested_x = torch.nested.nested_tensor([x[:2], x[2:]])
+    nested_w = torch.nested.nested_tensor(list(w))
+    with pytest.raises(gg.InvalidArgumentError, match=r"^w=Tensor\(nested.*not a nested tensor"):
+        gg.grouped_gemm(x, nested_w, [2, 3])
+    with pytest.raises(gg.InvalidArgumentError, match=r"^x=Tensor\(nested.*not a nested tensor"):
+        gg.grouped_gemm(nested_x, w, [2, 3])
+    with pytest.raises(gg.InvalidArgumentError, match=r"^dy=Tensor\(nested.*not a nested tensor"):
+        gg.grouped_gemm_wgrad(torch.nested.nested_tensor([w[0], w[1, :1]]), x, [2, 3])
