@@ -181,7 +181,9 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
         # E4M3 takes E2M1's tiles (four blocks a step on every one: ``layouts_e4m3``), with
         # the stages it was measured at on the decode tiles. The decode-tile readings below
         # were taken on the H200 with the int64-word layout (2026-12-04); the layouts since
-        # have not been swept on decode (docs/performance.md, "The twenty-fifth session").
+        # were timed on decode only inside calls that quantize the weight (autotuning, where
+        # the weight's preparation takes most of the time), never kernel alone
+        # (docs/performance.md, "The twenty-fifth session").
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
