@@ -4,7 +4,7 @@ The first thing to run on a new machine. Each backend runs every op and recipe i
 eligible for on small random problems (skewed splits, empty groups, all groups empty,
 one group, unaligned sizes), with the output poisoned with NaN first, and its SQNR
 against the expected result is compared with the floors of ``grouped_gemm.testing``. Without a GPU, Triton
-kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` is set when unset).
+kernels run in the Triton interpreter (the command line reruns itself with ``TRITON_INTERPRET=1`` when unset).
 """
 
 from __future__ import annotations
@@ -381,8 +381,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """``grouped-gemm check``: 0 when every run passed, 1 on any failure."""
     device = torch_device(args.device)
-    if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
-        os.environ["TRITON_INTERPRET"] = "1"  # before backends load: Triton reads it at @jit time
     registered = [b.name for b in gg.list_backends()]
     backends = _names(args.backends, "backends", tuple(registered))
     recipes = _names(args.recipes, "recipes", tuple(gg.RECIPES))

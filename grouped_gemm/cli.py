@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -14,6 +16,7 @@ from grouped_gemm.bench import tune
 from grouped_gemm.device import known_archs
 from grouped_gemm.problem import OPS
 from grouped_gemm.registry import registry
+from grouped_gemm.tools import torch_device
 
 
 def _support(spec: gg.BackendSpec) -> str:
@@ -171,10 +174,31 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+#: Commands that run every backend, the Triton ones on the CPU in Triton's interpreter.
+_INTERPRETED = ("bench", "check")
+
+
+def _rerun_interpreted(args: argparse.Namespace, argv: Sequence[str]) -> int | None:
+    """``check`` / ``bench`` on the CPU rerun in a child Python with ``TRITON_INTERPRET=1``
+    (None: run here). Triton reads the switch when a function is decorated, and importing
+    grouped_gemm has imported ``triton.language`` already: set now, its own jit functions
+    (``tl.cdiv``) stayed compiled-only, and every Triton backend failed every run with
+    "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    if args.command not in _INTERPRETED or "TRITON_INTERPRET" in os.environ:
+        return None
+    if torch_device(args.device).type != "cpu":
+        return None
+    sys.stdout.flush()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.call([sys.executable, "-m", "grouped_gemm", *argv], env=env)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rerun = _rerun_interpreted(args, argv)
+        return rerun if rerun is not None else args.func(args)
     except gg.GroupedGemmError as exc:
         print(f"grouped-gemm: error: {exc}", file=sys.stderr)
         return 2

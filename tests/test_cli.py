@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,31 @@ def test_described_problem_is_the_real_calls_problem(op, recipe, gen):
     assert described.selected == real.selected
     if recipe == "mxfp4":
         assert described.candidate("triton_mxfp4").eligible
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "--backends", "triton_grouped", "--recipes", "bf16", "--ops", "fwd"],
+        ["bench", "--backends", "triton_grouped", "--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced"],
+    ],
+)
+def test_check_and_bench_run_the_triton_backends_on_the_cpu_without_triton_interpret(argv):
+    # The commands set TRITON_INTERPRET=1 themselves, after `import grouped_gemm` had imported
+    # triton.language: its jit functions stayed compiled-only and every Triton run failed with
+    # "Cannot call @triton.jit'd outside of the scope of a kernel" (exit status 1), or was
+    # not eligible at all when the backends had loaded before (bench --backends).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    quick = ["--rep-ms", "1", "--min-reps", "1", "--max-reps", "1", "--warmup-ms", "0", "--no-peer"]
+    extra = quick if argv[0] == "bench" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "grouped_gemm", *argv, *extra, "--device", "cpu", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Cannot call @triton.jit" not in proc.stdout + proc.stderr
+    ran = [line.split()[-1] for line in proc.stdout.splitlines() if "triton_grouped " in line]
+    assert ran and set(ran) == {"pass" if argv[0] == "check" else "ok"}, proc.stdout[-2000:]

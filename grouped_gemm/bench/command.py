@@ -156,10 +156,6 @@ def options(args: argparse.Namespace) -> BenchOptions:
 def run_command(args: argparse.Namespace) -> int:
     """``grouped-gemm bench``."""
     opts = options(args)
-    if opts.device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
-        # As in `grouped-gemm check`: without it the Triton backends cannot run on the CPU.
-        # Set before the backends load, since Triton reads it when kernels are decorated.
-        os.environ["TRITON_INTERPRET"] = "1"
     plot_missing = plot.missing() if args.plot else None
     if plot_missing:
         print(f"grouped-gemm bench: --plot: {plot_missing}", file=sys.stderr)
