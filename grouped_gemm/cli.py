@@ -86,7 +86,8 @@ def _hook_answer(hook: Callable[[], object]) -> str | None:
 
 def cmd_build(args: argparse.Namespace) -> int:
     """Build every backend that compiles on first use (or the one named) for this machine now."""
-    entries = [registry().get(args.backend)] if args.backend else registry().entries()
+    # `is not None`: an empty name (`build ""`, an unset shell variable) is an unknown backend, not every one.
+    entries = [registry().get(args.backend)] if args.backend is not None else registry().entries()
     builders = [(e.spec.name, e.backend.build) for e in entries if callable(getattr(e.backend, "build", None))]
     if not builders:
         print(f"{args.backend or 'no backend'}: nothing to build")

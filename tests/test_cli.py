@@ -148,3 +148,9 @@ def test_check_and_bench_run_the_triton_backends_on_the_cpu_without_triton_inter
     assert "Cannot call @triton.jit" not in proc.stdout + proc.stderr
     ran = [line.split()[-1] for line in proc.stdout.splitlines() if "triton_grouped " in line]
     assert ran and set(ran) == {"pass" if argv[0] == "check" else "ok"}, proc.stdout[-2000:]
+
+
+def test_build_with_an_empty_backend_name_is_an_unknown_backend(capsys):
+    # `grouped-gemm build "$BACKEND"` with the variable unset built every backend.
+    assert main(["build", ""]) == 2
+    assert "backend='' is invalid: registered backends are" in capsys.readouterr().err
