@@ -242,9 +242,9 @@ def test_priority_per_arch():
 
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 def test_small_groups_rank_above_triton_mxfp8_on_sm_90(op):
-    """17-128 rows a group on average, weights quantized in the call: first on sm_90, where
-    it timed faster than triton_mxfp8; not for decode, wgrad, larger groups, pre-quantized
-    weights or another arch."""
+    """17-128 rows a group on average, weights quantized in the call or pre-quantized: first
+    on sm_90, where it timed faster than triton_mxfp8; not for decode, wgrad, larger groups
+    or another arch."""
     backend = HipMxfp8Backend()
     triton_first = TritonMxfp8Backend.spec.priority
     small = gg.describe_problem(op=op, groups=128, m=128 * 128, n=256, k=256, recipe="mxfp8", device="sm_90")
@@ -253,7 +253,7 @@ def test_small_groups_rank_above_triton_mxfp8_on_sm_90(op):
     assert backend.priority(dataclasses.replace(small, m=128 * 16)) == 30  # decode: triton_mxfp8 as fast
     assert backend.priority(dataclasses.replace(small, m=128 * 16 + 1)) == hip_backend.SMALL_GROUPS_PRIORITY
     assert backend.priority(dataclasses.replace(small, op="wgrad")) == 30
-    assert backend.priority(dataclasses.replace(small, b_format="mx_e4m3")) == 30
+    assert backend.priority(dataclasses.replace(small, b_format="mx_e4m3")) == hip_backend.SMALL_GROUPS_PRIORITY
     for arch in ("sm_89", "gfx950"):
         described = gg.describe_problem(op=op, groups=128, m=128 * 64, n=256, k=256, recipe="mxfp8", device=arch)
         assert backend.priority(described) < triton_first

@@ -38,15 +38,18 @@ K_OUTER_LINE = 16
 #: declared for gfx950 so this backend is never chosen where that kernel would refuse.
 HK_MAX_GROUPS = 512
 PRIORITY = {"sm_89": 30, "sm_90": 30, "gfx950": 10}
-#: sm_90 fwd / dgrad of small groups with high-precision weights (quantized in the call):
-#: above ``triton_mxfp8`` (80). On an H100 (2026-12-06, benchmarks/autotune.py, public API,
-#: ``triton_mxfp8`` with its 16 x 2 E4M3 prep tile) this backend's fwd took 0.88-0.93x
-#: the time of ``triton_mxfp8``'s on gpt-oss gate-up and down (128 rows a group, balanced
-#: and skewed), 0.99-1.02x on the 2- and 16-row decode cases and 1.07-1.09x on qwen3-30B's
-#: 4-row decode; dgrad (before that tile; its own prep tile barely moved) 0.88-0.89x on
-#: gpt-oss. ``triton_mxfp8`` was faster on 22 of the 28 larger-group fwd / dgrad problems
-#: even before its new tile.
-#: Pre-quantized weights were not timed.
+#: sm_90 fwd / dgrad of small groups: above ``triton_mxfp8`` (80). On an H100 (2026-12-06,
+#: benchmarks/autotune.py, public API, weights quantized in the call, ``triton_mxfp8`` with
+#: its 16 x 2 E4M3 prep tile) this backend's fwd took 0.88-0.93x the time of
+#: ``triton_mxfp8``'s on gpt-oss gate-up and down (128 rows a group, balanced and skewed),
+#: 0.99-1.02x on the 2- and 16-row decode cases and 1.07-1.09x on qwen3-30B's 4-row decode;
+#: dgrad (before that tile; its own prep tile barely moved) 0.88-0.89x on gpt-oss.
+#: ``triton_mxfp8`` was faster on 22 of the 28 larger-group fwd / dgrad problems even
+#: before its new tile. With pre-quantized (``MXTensor``) weights, on another H100 the same
+#: day (``grouped-gemm bench --recipe mxfp8 --mx-weights prequantized``, both backends in
+#: one run): 0.81-0.95x ``triton_mxfp8``'s time on all eight gpt-oss fwd / dgrad rows,
+#: slower on every row with 256 rows a group or more (docs/performance.md, "The
+#: twenty-fifth session").
 SMALL_GROUPS_PRIORITY = 85
 #: Rows a group on average (M / G) that count as small: above the decode cases' 16, up to
 #: gpt-oss's 128 (the measured ends; nothing between them was timed).
@@ -102,17 +105,12 @@ class HipMxfp8Backend(Backend):
         return [] if outcome.ok else [_build_reason(outcome)]
 
     def priority(self, problem: Problem) -> int:
-        """``SMALL_GROUPS_PRIORITY`` for sm_90 fwd / dgrad of 17-128 rows a group (on average)
-        with high-precision weights, where it measured faster than ``triton_mxfp8`` (80);
-        else 30 on sm_90 (below it), 10 on gfx950 (docs/backends.md)."""
+        """``SMALL_GROUPS_PRIORITY`` for sm_90 fwd / dgrad of 17-128 rows a group (on average),
+        where it measured faster than ``triton_mxfp8`` (80) with weights quantized in the
+        call and pre-quantized; else 30 on sm_90 (below it), 10 on gfx950 (docs/backends.md)."""
         fewest, most = SMALL_GROUP_MEAN_ROWS
         small = fewest * problem.groups < problem.m <= most * problem.groups
-        if (
-            problem.device.arch == "sm_90"
-            and problem.op != "wgrad"
-            and small
-            and not problem.b_format.startswith("mx_")
-        ):
+        if problem.device.arch == "sm_90" and problem.op != "wgrad" and small:
             return SMALL_GROUPS_PRIORITY
         return PRIORITY.get(problem.device.arch, self.spec.priority)
 
