@@ -49,6 +49,7 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
     dev32 = dev64.to(torch.int32)
     offs = torch.cumsum(dev32, 0, dtype=torch.int32)
     wt = w.transpose(-2, -1)
+    dy = torch.randn(m, N, device=device, dtype=torch.bfloat16)
     w_mx = gg.quantize_mx_weight(w, "e2m1", op="fwd")
     w_e4m3 = gg.quantize_mx_weight(w, "e4m3", op="fwd")
     offs_dev = gg.offsets(dev32)  # built once, reused by every call (one per step in a model)
@@ -69,6 +70,11 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
         # The MX recipes that quantize the bf16 activations per call (one more launch).
         "gg mxfp4 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="mxfp4"),
         "gg mxfp8 (MXTensor w), device splits": lambda: gg.grouped_gemm(x, w_e4m3, dev32, recipe="mxfp8"),
+        # wgrad (dy is (M, N)): the MX recipes quantize dy and x along the tokens per group.
+        # grouped-gemm bench read 1.0-1.75 ms of host time per mxfp8 wgrad call on an H100
+        # (2026-12-06, both mxfp8 backends, every case), against 25-40 us for the peer.
+        "gg bf16 wgrad, gg.offsets(device) reused": lambda: gg.grouped_gemm_wgrad(dy, x, offs_dev),
+        "gg mxfp8 wgrad, device splits": lambda: gg.grouped_gemm_wgrad(dy, x, dev32, recipe="mxfp8"),
     }
     for name in [n for n in variants if "a16w4" in n]:
         variants[f"{name}, Triton launch path"] = _through_triton_path(variants[name])
