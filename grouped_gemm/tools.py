@@ -24,6 +24,22 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
+def add_seed_option(parser: argparse.ArgumentParser) -> None:
+    """``--seed``: an integer ``torch.Generator.manual_seed`` takes (a larger one raised
+    OverflowError's ValueError from deep in the run, with a traceback)."""
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the random operands")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer from -2**63 to 2**64 - 1")
+    return value
+
+
 def torch_device(choice: str) -> torch.device:
     """A command line's ``--device`` (``auto``, ``cpu``, ``cuda``) as a torch device."""
     if choice == "auto":

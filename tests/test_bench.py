@@ -565,3 +565,15 @@ def test_host_overhead_pairs_each_block_with_a_bare_block(tmp_path):
     assert [r["over_bare_us"] for r in rows] == [0.0, 7.0, 25.0]
     assert [r["best_over_best_us"] for r in rows] == [0.0, 7.0, 25.0]
     assert rows[1]["host_us"] == 77.0  # the unpaired median: three of its four blocks ran slow
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+@pytest.mark.parametrize("seed", ["99999999999999999999", "1.5"])
+def test_a_seed_torch_cannot_take_is_a_usage_error(command, seed, capsys):
+    # A seed past 2**64 was taken by argparse and raised ValueError ("Overflow when unpacking
+    # long long") from torch.Generator.manual_seed in the middle of the run, with a traceback.
+    quick = ["--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced", "--recipe", "bf16", "--scale", "0.01"]
+    with pytest.raises(SystemExit) as exited:
+        main([command, *quick, "--device", "cpu", "--seed", seed])
+    assert exited.value.code == 2
+    assert f"argument --seed: invalid seed '{seed}'" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.problem import OPS
-from grouped_gemm.tools import Progress, add_device_option, torch_device
+from grouped_gemm.tools import Progress, add_device_option, add_seed_option, torch_device
 
 # A GPU sweep's defaults keep the 72-problem bf16 sweep within a few minutes on an H200;
 # the CPU defaults keep a smoke run within seconds.
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prequantized-weights", action="store_true", help="same as --mx-weights prequantized")
     p.add_argument("--device-splits", action="store_true", help="pass m_splits as a device tensor")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    add_seed_option(p)
     p.add_argument("--out", type=Path, help="write the JSON record here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--markdown", type=Path, help="write a Markdown table for docs/performance.md here")

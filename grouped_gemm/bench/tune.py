@@ -22,7 +22,7 @@ from grouped_gemm import autotune, tuning_store
 from grouped_gemm.bench.operands import DTYPES, operand_shapes
 from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_cases
 from grouped_gemm.problem import OPS, Op
-from grouped_gemm.tools import add_device_option, torch_device
+from grouped_gemm.tools import add_device_option, add_seed_option, torch_device
 
 _API = {"fwd": gg.grouped_gemm, "dgrad": gg.grouped_gemm_dgrad, "wgrad": gg.grouped_gemm_wgrad}
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
     add_device_option(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random operands")
+    add_seed_option(p)
     p.add_argument("--show", action="store_true", help="print the stored choices instead of tuning")
 
 
