@@ -84,7 +84,11 @@ def parse_order(value: OrderLike, argument: str = "backends") -> Order:
     if isinstance(value, str):
         for part in filter(None, (p.strip() for p in value.split(";"))):
             recipe, sep, names = part.rpartition(":")
-            entries[recipe.strip() if sep else "*"] = _names(names, argument, value)
+            recipe = recipe.strip() if sep else "*"
+            if recipe in entries:  # the later one silently replaced the earlier
+                which = "every recipe (entries without 'recipe:')" if recipe == "*" else f"recipe {recipe!r}"
+                raise ConfigError(argument, value, f"one order per recipe, but {which} has two; join them with ','")
+            entries[recipe] = _names(names, argument, value)
     elif isinstance(value, Mapping):
         for recipe, names in value.items():
             entries[recipe] = _names(names, argument, value)

@@ -31,6 +31,10 @@ def test_parse_order(value, expected):
         ("", "at least one backend"),
         ("a,,b", "non-empty strings"),
         (42, "a string, a list of backend names"),
+        # the later entry replaced the earlier one without a word
+        ("reference;torch_grouped_mm", r"every recipe \(entries without 'recipe:'\) has two; join them with ','"),
+        ("bf16:a;fp16:b;bf16:c", "one order per recipe, but recipe 'bf16' has two"),
+        ("a;*:b", "every recipe"),
     ],
 )
 def test_parse_order_errors(value, text):
