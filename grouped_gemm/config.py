@@ -193,6 +193,7 @@ class _State:
         self.env: Settings | None = None
         self.code: dict[str, Any] = {}
         self.effective: Settings | None = None
+        self.logger_level: int | None = None  # the logger's own level while settings set one
 
     def current(self) -> Settings:
         effective = self.effective
@@ -225,8 +226,15 @@ _scopes: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("gro
 
 
 def _apply_log_level(level: str | None) -> None:
+    """Set the logger's level, or give back the one it had before: without ``log_level``
+    (``reset_config``, ``configure(log_level=None)``) the logger kept DEBUG on."""
     if level is not None:
+        if _state.logger_level is None:
+            _state.logger_level = LOGGER.level
         LOGGER.setLevel(level)
+    elif _state.logger_level is not None:
+        LOGGER.setLevel(_state.logger_level)
+        _state.logger_level = None
 
 
 def settings() -> Settings:

@@ -132,3 +132,20 @@ def test_a_scope_exited_out_of_order_leaves_no_frame_behind():
     assert order() == ("torch_grouped_mm",)
     inner.__exit__(None, None, None)
     assert order() == ()
+
+
+def test_dropping_log_level_gives_the_logger_its_level_back():
+    # reset_config() and configure(log_level=None) left the logger at DEBUG: every later
+    # decision was formatted and logged.
+    logger = logging.getLogger("grouped_gemm")
+    logger.setLevel(logging.WARNING)
+    try:
+        gg.configure(log_level="DEBUG")
+        assert logger.level == logging.DEBUG
+        gg.reset_config()
+        assert logger.level == logging.WARNING
+        gg.configure(log_level="ERROR")
+        gg.configure(log_level=None)
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(logging.NOTSET)
