@@ -114,7 +114,9 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
             registered.append((name, module))
     impls = manager.hook.grouped_gemm_backends.get_hookimpls()
     providing = {impl.plugin_name for impl in impls}
-    failures += [_hookless(name, module) for name, module in registered if name not in providing]
+    for name, module in registered:
+        ignored = _ignored_hooks(name, module, name in providing)
+        failures += [ignored] if ignored else []
     for impl in _builtins_first(impls):
         name = impl.plugin_name
 
@@ -136,18 +138,27 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
     return failures
 
 
-def _hookless(plugin: str, module: Any) -> PluginFailure:
-    """The failure of a plugin that provides no backends hook: pluggy ignores a hook that is
-    undecorated or misspelled, so the plugin's backends would be missing without a word."""
+def _ignored_hooks(plugin: str, module: Any, provides: bool) -> PluginFailure | None:
+    """What pluggy ignores without a word: a ``@hookimpl`` function of no grouped_gemm hook
+    (a misspelling) and, in a plugin without the hook, an undecorated ``grouped_gemm_backends``.
+    The backends meant would be missing with no failure to say why. (No hook alone is no
+    mistake: a plugin may register its backends when imported.)"""
     namespace = getattr(module, "__dict__", {})
-    marked = sorted(a for a, v in namespace.items() if inspect.isfunction(v) and hasattr(v, f"{PROJECT}_impl"))
-    if callable(getattr(module, "grouped_gemm_backends", None)):
+    unknown = sorted(
+        attr
+        for attr, value in namespace.items()
+        if inspect.isfunction(value)
+        and isinstance(opts := getattr(value, f"{PROJECT}_impl", None), dict)
+        and (opts.get("specname") or attr) != "grouped_gemm_backends"
+    )
+    if unknown:
+        error = f"@grouped_gemm.hookimpl on {', '.join(unknown)}, which is no grouped_gemm hook (grouped_gemm_backends)"
+    elif not provides and inspect.isfunction(namespace.get("grouped_gemm_backends")):
         error = "its grouped_gemm_backends is not decorated with @grouped_gemm.hookimpl"
     else:
-        error = f"{type(module).__name__} {module!r:.80} has no @grouped_gemm.hookimpl function grouped_gemm_backends"
-        error += f" (its hookimpls {', '.join(marked)} are not grouped_gemm hooks)" if marked else ""
-    LOGGER.warning("grouped_gemm plugin %s provides no backends: %s", plugin, error)
-    return PluginFailure(plugin=plugin, stage="hooks", error=f"provides no backends: {error}")
+        return None
+    LOGGER.warning("grouped_gemm plugin %s: %s", plugin, error)
+    return PluginFailure(plugin=plugin, stage="hooks", error=error)
 
 
 def _builtins_first(impls: list[Any]) -> list[Any]:
