@@ -9,6 +9,7 @@ from typing import Any
 from grouped_gemm.config import LOGGER
 from grouped_gemm.contract import Reason
 from grouped_gemm.eligibility import declared_reasons
+from grouped_gemm.plugins import PLUGIN_ERRORS
 from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry
 
@@ -59,14 +60,14 @@ def evaluate(entry: Entry, problem: Problem) -> tuple[tuple[Reason, ...], int]:
     reasons = declared_reasons(entry.spec, problem)
     try:
         reasons += _checked_reasons(name, "check()", entry.backend.check(problem))
-    except Exception as exc:  # noqa: BLE001 - a broken check() must not break dispatch
+    except PLUGIN_ERRORS as exc:  # a broken check() must not break dispatch
         reasons.append(_plugin_bug(name, "check()", f"raised {type(exc).__name__}: {exc}", exc))
     priority = entry.spec.priority
     priority_of = getattr(entry.backend, "priority", None)
     if callable(priority_of):
         try:
             answer = priority_of(problem)
-        except Exception as exc:  # noqa: BLE001 - nor a broken priority()
+        except PLUGIN_ERRORS as exc:  # nor a broken priority()
             reasons.append(_plugin_bug(name, "priority()", f"raised {type(exc).__name__}: {exc}", exc))
         else:
             if isinstance(answer, int) and not isinstance(answer, bool):
@@ -91,7 +92,7 @@ def prepared_reasons(entry: Entry, problem: Problem) -> list[Reason]:
     name = entry.spec.name
     try:
         answer = prepare(problem)
-    except Exception as exc:  # noqa: BLE001 - a broken prepare() must not break dispatch
+    except PLUGIN_ERRORS as exc:  # a broken prepare() must not break dispatch
         return [_plugin_bug(name, "prepare()", f"raised {type(exc).__name__}: {exc}", exc)]
     return _checked_reasons(name, "prepare()", answer)
 

@@ -58,10 +58,11 @@ class PluginFailure:
         return f"{self.plugin} ({self.stage}): {self.error}"
 
 
-#: What a plugin's import or hook may raise without ending the process: any Exception, and
-#: SystemExit (a module that parses the command line at import, a stray ``sys.exit``), which
-#: would otherwise exit the application from inside its first grouped_gemm call.
-_PLUGIN_ERRORS = (Exception, SystemExit)
+#: What a plugin's import, hook or backend's ``check`` / ``priority`` / ``prepare`` may raise
+#: without ending the process: any Exception, and SystemExit (a module that parses the command
+#: line at import, a stray ``sys.exit``), which would otherwise exit the application from
+#: inside a grouped_gemm call.
+PLUGIN_ERRORS = (Exception, SystemExit)
 
 
 def _failure(plugin: str, stage: str, exc: BaseException) -> PluginFailure:
@@ -81,7 +82,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
     for name in DEFAULT_PLUGINS:
         try:
             loaded.append((name, importlib.import_module(name)))
-        except _PLUGIN_ERRORS as exc:  # any import error is reported, not raised
+        except PLUGIN_ERRORS as exc:  # any import error is reported, not raised
             failures.append(_failure(name, "import", exc))
     if plugin_autoload_disabled():
         return loaded, failures
@@ -89,7 +90,7 @@ def _available_plugins() -> tuple[list[tuple[str, Any]], list[PluginFailure]]:
         label = f"{ep.name} ({ep.value})"
         try:
             loaded.append((label, ep.load()))
-        except _PLUGIN_ERRORS as exc:  # likewise for third-party plugins
+        except PLUGIN_ERRORS as exc:  # likewise for third-party plugins
             failures.append(_failure(label, "import", exc))
     return loaded, failures
 
@@ -133,7 +134,7 @@ def collect(register: Callable[[Any, str], None]) -> list[PluginFailure]:
                 raise TypeError(f"the hook returned {type(returned).__name__}; expected an iterable of backends")
             for backend in returned or ():
                 add(backend)
-        except _PLUGIN_ERRORS as exc:  # a failing hook spares the other plugins
+        except PLUGIN_ERRORS as exc:  # a failing hook spares the other plugins
             failures.append(_failure(name, "backends", exc))
     return failures
 

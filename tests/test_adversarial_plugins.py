@@ -430,3 +430,20 @@ def test_a_spec_number_of_another_type_is_refused(field, value):
     # Pydantic's lax mode took priority=True as 1 and "90" as 90: a bool priority ranked silently.
     with pytest.raises(ValueError, match=rf"{field}\n.*valid integer"):
         gg.BackendSpec(name="typed", **SPEC, **{field: value})
+
+
+class _Exits(_Zeros):
+    def __init__(self, hook: str) -> None:
+        super().__init__("exits", 10**6)
+        setattr(self, hook, lambda problem: sys.exit(f"{hook} gave up"))
+
+
+@pytest.mark.parametrize("hook", ["check", "priority", "prepare"])
+def test_a_hook_that_calls_sys_exit_is_a_reason_not_the_end_of_the_process(hook, register, gen):
+    # Hooks were guarded by `except Exception`: SystemExit escaped from gg.grouped_gemm and
+    # exited the application, although plugin imports already counted it as the plugin's failure.
+    register(_Exits(hook))
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
+    torch.testing.assert_close(gg.grouped_gemm(x, w, [2, 4]).double(), ref_fwd(x, w, [2, 4]))
+    candidate = gg.explain(x, w, [2, 4]).candidate("exits")
+    assert [str(r) for r in candidate.reasons] == [f"[plugin] {hook}() raised SystemExit: {hook} gave up"]
