@@ -27,6 +27,7 @@ from grouped_gemm.contract import BackendLike, Reason
 from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import on_change as on_device_change
 from grouped_gemm.errors import BackendRunError, BackendUnavailableError, UnknownBackendError
+from grouped_gemm.plugins import PLUGIN_ERRORS
 from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry, Registry, registry
 from grouped_gemm.registry import on_change as on_registry_change
@@ -245,7 +246,7 @@ class Dispatcher:
                 result = chosen.run(problem, inputs)
             else:
                 result = chosen.run_config(problem, inputs, routed.config)
-        except Exception as exc:
+        except PLUGIN_ERRORS as exc:  # SystemExit too: a backend's sys.exit must not end the caller
             raise BackendRunError(name, problem, exc) from exc
         if versions is not None:
             check_unmodified(name, problem, inputs, versions)
