@@ -449,7 +449,7 @@ def test_a_hook_that_calls_sys_exit_is_a_reason_not_the_end_of_the_process(hook,
     assert [str(r) for r in candidate.reasons] == [f"[plugin] {hook}() raised SystemExit: {hook} gave up"]
 
 
-class _Exits(gg.Backend):
+class _ExitsInRun(gg.Backend):
     spec = gg.BackendSpec(name="exits_in_run", priority=10**6, **SPEC)
 
     def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
@@ -459,7 +459,7 @@ class _Exits(gg.Backend):
 def test_sys_exit_in_run_is_that_backends_error(gen):
     # The dispatcher wrapped only Exception from run(): a backend calling sys.exit ended the
     # caller's process, where check() / priority() / prepare() already report it as theirs.
-    gg.register_backend(_Exits())
+    gg.register_backend(_ExitsInRun())
     try:
         x, w = torch.randn(6, 4, generator=gen), torch.randn(2, 3, 4, generator=gen)
         with pytest.raises(gg.BackendRunError, match=r"exits_in_run.*SystemExit.*gave up") as raised:
