@@ -54,6 +54,7 @@ from grouped_gemm.decision import Candidate, Decision
 from grouped_gemm.device import DeviceInfo
 from grouped_gemm.errors import UnknownBackendError
 from grouped_gemm.inputs import GroupedInputs
+from grouped_gemm.plugins import PLUGIN_ERRORS
 from grouped_gemm.problem import Problem, m_bucket
 from grouped_gemm.registry import Registry, registry
 from grouped_gemm.tuning_store import CloseCall, Config, Timing, Tuning
@@ -494,7 +495,7 @@ class Tuner:
             return True
         try:
             return config in _configs(registry().get(name).backend, problem)
-        except Exception:  # noqa: BLE001 - unregistered, no run_config, a failing configs(): not offered
+        except PLUGIN_ERRORS:  # unregistered, no run_config, a failing configs(): not offered
             return False
 
     @staticmethod
@@ -584,7 +585,7 @@ class Tuner:
                 continue
             try:
                 configs = _configs(backend, problem)
-            except Exception as exc:  # noqa: BLE001 - a broken plugin hook excludes only it
+            except PLUGIN_ERRORS as exc:  # a broken plugin hook excludes only it
                 excluded.append(Timing(candidate.name, None, None, 0, f"configs(): {type(exc).__name__}: {exc}"))
                 continue
             contenders += [_Contender(candidate.name, backend, config) for config in [None, *configs]]
@@ -600,7 +601,7 @@ class Tuner:
                 c.scratch = _scratch(problem, inputs.out)
                 results.append((c, _as_tensor(c.call(problem, inputs))))
                 clock.sync()
-            except Exception as exc:  # noqa: BLE001 - measured failures exclude, never propagate
+            except PLUGIN_ERRORS as exc:  # measured failures exclude, never propagate
                 c.note = f"raised {type(exc).__name__}: {exc}"
         if len(results) < 2:
             return
@@ -630,7 +631,7 @@ class Tuner:
                     stamps.append((start, clock.stamp()))
                 clock.sync()
                 c.estimate_ms = min(clock.ms(s, e) for s, e in stamps)  # one hiccup must not prune
-            except Exception as exc:  # noqa: BLE001
+            except PLUGIN_ERRORS as exc:
                 c.note = f"raised {type(exc).__name__}: {exc}"
         live = [c for c in live if not c.note]
         if not live:
@@ -653,7 +654,7 @@ class Tuner:
                         c.call(problem, inputs)
                         stamps.append((start, clock.stamp()))
                     clock.sync()
-                except Exception as exc:  # noqa: BLE001
+                except PLUGIN_ERRORS as exc:
                     c.note = f"raised {type(exc).__name__}: {exc}"
                     continue
                 c.times += [clock.ms(s, e) for s, e in stamps]
@@ -684,7 +685,7 @@ class Tuner:
             def run(_: int) -> object:
                 try:
                     return c.call(problem, inputs)
-                except Exception as exc:
+                except PLUGIN_ERRORS as exc:
                     c.note = f"raised {type(exc).__name__}: {exc}"
                     raise
 
@@ -693,7 +694,7 @@ class Tuner:
         before = sum(c.calls for c in chosen)
         try:
             blocks, _ = interleave([runner(c) for c in chosen], max(medians[label] for label in close), clock, plan)
-        except Exception:  # noqa: BLE001 - the raising contender is excluded, the others keep their rounds
+        except PLUGIN_ERRORS:  # the raising contender is excluded, the others keep their rounds
             return None
         for c, per_block, ms in zip(chosen, blocks, paired_ms(blocks, medians[close[0]]), strict=True):
             c.times = [ms for block in per_block for ms in block]

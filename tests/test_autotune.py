@@ -397,6 +397,26 @@ def test_disagreeing_and_raising_backends_are_excluded(only, gen):
     assert "disagrees with" in decision.table()
 
 
+class _ExitingBackend(TimedBackend):
+    """Calls sys.exit from run(): a plugin giving up the whole process."""
+
+    def _compute(self, problem: gg.Problem, inputs: gg.GroupedInputs, delay: float) -> torch.Tensor:
+        sys.exit("exiting contender")
+
+
+def test_a_contender_that_calls_sys_exit_is_excluded(only, gen):
+    """Measurement caught Exception only: a contender's sys.exit ended the caller's process
+    in the middle of autotuning, where the dispatcher reports it as the backend's error."""
+    only(_ExitingBackend("exiting", priority=100), TimedBackend("ok1", delay=0.001), TimedBackend("ok2", delay=0.001))
+    x, w = _operands(gen)
+    gg.configure(autotune=True)
+    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
+    decision = gg.explain(x, w, SPLITS)
+    assert decision.selected in {"ok1", "ok2"}
+    notes = {t.backend: t.note for t in decision.tuning.timings}
+    assert notes["exiting"] == "raised SystemExit: exiting contender"
+
+
 def test_a_user_order_wins_and_nothing_is_measured(only, gen):
     only(TimedBackend("slow", delay=0.003), TimedBackend("fast"))
     x, w = _operands(gen)
