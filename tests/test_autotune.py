@@ -382,10 +382,20 @@ def test_equal_speeds_go_to_declared_priority(only, gen, monkeypatch):
     assert decision.selected == "hi" and decision.tuning.choice == "hi"
 
 
+class _ExitingBackend(TimedBackend):
+    """Calls sys.exit from run(): a plugin giving up the whole process."""
+
+    def _compute(self, problem: gg.Problem, inputs: gg.GroupedInputs, delay: float) -> torch.Tensor:
+        sys.exit("exiting contender")
+
+
 def test_disagreeing_and_raising_backends_are_excluded(only, gen):
+    """Measurement caught Exception only until 608353f: a contender's sys.exit ended the
+    caller's process in the middle of autotuning."""
     wrong = TimedBackend("wrong", priority=100, scale=1.01)  # fastest, but 1 % off: 40 dB
     broken = TimedBackend("broken", priority=90, fail=True)
-    only(wrong, broken, TimedBackend("ok1", delay=0.001), TimedBackend("ok2", delay=0.001, priority=1))
+    exiting = _ExitingBackend("exiting", priority=95)
+    only(wrong, broken, exiting, TimedBackend("ok1", delay=0.001), TimedBackend("ok2", delay=0.001, priority=1))
     x, w = _operands(gen)
     gg.configure(autotune=True)
     _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
@@ -394,27 +404,8 @@ def test_disagreeing_and_raising_backends_are_excluded(only, gen):
     notes = {t.backend: t.note for t in decision.tuning.timings}
     assert notes["wrong"].startswith("disagrees with ok") and "dB <" in notes["wrong"]
     assert notes["broken"] == "raised RuntimeError: boom"
-    assert "disagrees with" in decision.table()
-
-
-class _ExitingBackend(TimedBackend):
-    """Calls sys.exit from run(): a plugin giving up the whole process."""
-
-    def _compute(self, problem: gg.Problem, inputs: gg.GroupedInputs, delay: float) -> torch.Tensor:
-        sys.exit("exiting contender")
-
-
-def test_a_contender_that_calls_sys_exit_is_excluded(only, gen):
-    """Measurement caught Exception only: a contender's sys.exit ended the caller's process
-    in the middle of autotuning, where the dispatcher reports it as the backend's error."""
-    only(_ExitingBackend("exiting", priority=100), TimedBackend("ok1", delay=0.001), TimedBackend("ok2", delay=0.001))
-    x, w = _operands(gen)
-    gg.configure(autotune=True)
-    _check_fwd(gg.grouped_gemm(x, w, SPLITS), x, w)
-    decision = gg.explain(x, w, SPLITS)
-    assert decision.selected in {"ok1", "ok2"}
-    notes = {t.backend: t.note for t in decision.tuning.timings}
     assert notes["exiting"] == "raised SystemExit: exiting contender"
+    assert "disagrees with" in decision.table()
 
 
 def test_a_user_order_wins_and_nothing_is_measured(only, gen):
