@@ -21,7 +21,7 @@ from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, Inval
 from grouped_gemm.group_offsets import GroupOffsets, host_split_ints
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
-from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_mx, scale_rule_name
+from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_checked, scale_rule_name
 from grouped_gemm.mx.tensor import MXTensor
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
@@ -52,8 +52,8 @@ def quantize_mx_weight(
         w = torch.stack(list(w))
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ShapeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
-    check_args(w, fmt, _WEIGHT_AXIS[op], scale_rule, block_size, pad, argument="w")  # quantize_mx would say t=
-    return quantize_mx(w, fmt, axis=_WEIGHT_AXIS[op], scale_rule=scale_rule, block_size=block_size, pad=pad)
+    f, axis, missing = check_args(w, fmt, _WEIGHT_AXIS[op], scale_rule, block_size, pad, argument="w")
+    return quantize_checked(w, f, axis, scale_rule_name(scale_rule), as_block_size(block_size), missing)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

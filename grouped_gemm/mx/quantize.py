@@ -84,9 +84,14 @@ def quantize_mx(
     """
     block_size = as_block_size(block_size)
     f, axis, missing = check_args(t, fmt, axis, scale_rule, block_size, pad)
-    scale_rule = scale_rule_name(scale_rule)
+    return quantize_checked(t, f, axis, scale_rule_name(scale_rule), block_size, missing)
+
+
+def quantize_checked(t: torch.Tensor, f: MXFormat, axis: int, rule: str, block_size: int, missing: int) -> MXTensor:
+    """``quantize_mx`` after ``check_args``: for callers that checked the arguments under
+    their own names (``quantize_mx_weight``'s ``w``), so they are not checked twice."""
     if t.device.type == "cuda":  # CUDA and ROCm
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
-        return triton_quantizer.quantize(t, f, axis, scale_rule, block_size, missing)
-    return torch_quantizer.quantize(t, f, axis, scale_rule, block_size, missing)
+        return triton_quantizer.quantize(t, f, axis, rule, block_size, missing)
+    return torch_quantizer.quantize(t, f, axis, rule, block_size, missing)
