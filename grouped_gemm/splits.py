@@ -18,6 +18,8 @@ from grouped_gemm.errors import InvalidArgumentError, InvalidTypeError
 _GROUPS = "an int >= 1"
 _ROWS = "an int >= 0"
 _SKEWED_ROWS = "an int in [0, 2**53] (the sizes are drawn in float64, exact up to 2**53)"
+#: The seeds ``torch.Generator.manual_seed`` takes (both ends included).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _SEED = "an int in [-2**63, 2**64) (a torch.Generator seed)"
 
 
@@ -47,7 +49,7 @@ def balanced_splits(groups: int, m: int) -> list[int]:
 def skewed_splits(groups: int, m: int, seed: int = 0) -> list[int]:
     """Heavy-tailed group sizes (most rows in a few experts), deterministic per seed."""
     groups, m = _int("groups", groups, _GROUPS, 1), _int("m", m, _SKEWED_ROWS, 0, 2**53)
-    seed = _int("seed", seed, _SEED, -(2**63), 2**64 - 1)
+    seed = _int("seed", seed, _SEED, SEED_MIN, SEED_MAX)
     u = torch.rand(groups, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) ** 3 + 1e-3
     sizes = torch.floor(u / u.sum() * m).to(torch.int64)
     sizes[0] += m - int(sizes.sum())

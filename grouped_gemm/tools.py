@@ -17,6 +17,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.splits import SEED_MAX, SEED_MIN
 
 
 def add_device_option(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def _seed(text: str) -> int:
         value = int(text)
     except ValueError:
         value = None
-    if value is None or not -(2**63) <= value < 2**64:
+    if value is None or not SEED_MIN <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer from -2**63 to 2**64 - 1")
     return value
 
