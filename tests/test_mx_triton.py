@@ -145,13 +145,41 @@ def test_arbitrary_bit_patterns(bits, fmt, rule):
     assert_same(*both(x.reshape(32, 2), fmt, axis=0, rule=rule))
 
 
+def padded_rows(x: torch.Tensor, sizes: list[int], align: int, total: int) -> torch.Tensor:
+    """Each group's rows of ``x`` followed by zero rows up to a multiple of ``align``, then
+    zero rows up to ``total``: what ``quantize_rows`` reads in place, built row by row."""
+    zero = x.new_zeros(x.shape[1])
+    rows, start = [], 0
+    for size in sizes:
+        rows += [x[start + r] for r in range(size)] + [zero] * (-size % align)
+        start += size
+    rows += [zero] * (total - len(rows))
+    return torch.stack(rows)
+
+
+def row_starts(sizes: list[int], align: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    tight, padded = [0], [0]
+    for size in sizes:
+        tight.append(tight[-1] + size)
+        padded.append(padded[-1] + -(-size // align) * align)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return as_tensor(tight), as_tensor(padded)
+
+
 @interpreted
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
-def test_row_map_reads_rows_without_copying_them(fmt):
-    x = torch.randn(10, 24, generator=torch.Generator().manual_seed(5))
-    row_map = torch.tensor([3, 4, 5] + [-1] * 29 + list(range(6, 10)) + [-1] * 28, dtype=torch.int32)
-    got = triton_quantizer.quantize_rows(x, row_map, FORMATS[fmt], "rceil", 32)
-    gathered = torch.where((row_map >= 0)[:, None], x[row_map.clamp(min=0).long()], 0.0)
+@pytest.mark.parametrize(
+    ("sizes", "align", "extra"),
+    [([3, 0, 36], 32, 0), ([0], 32, 64), ([5], 64, 0), ([40, 0, 0, 1, 70, 0], 32, 96), ([0, 0, 33], 64, 32)],
+)
+def test_grouped_rows_read_in_place(fmt, sizes, align, extra):
+    """Every padded row of every group, empty groups, and zero rows past the last group
+    (device splits size the output by a bound) against torch on the rows gathered by hand."""
+    x = torch.randn(sum(sizes), 24, generator=torch.Generator().manual_seed(5))
+    starts, padded_starts = row_starts(sizes, align)
+    total = int(padded_starts[-1]) + extra
+    got = triton_quantizer.quantize_rows(x, starts, padded_starts, total, FORMATS[fmt], "rceil", 32)
+    gathered = padded_rows(x, sizes, align, total)
     assert_same(torch_quantizer.quantize(gathered, FORMATS[fmt], 0, "rceil", 32, 0), got)
 
 
@@ -248,10 +276,16 @@ def test_gpu_launch_shapes(fmt):
 
 
 @pytest.mark.gpu
-def test_gpu_row_map():
-    x = torch.randn(1000, 520, device="cuda")
-    idx = torch.randint(-1, 1000, (1024,), generator=torch.Generator().manual_seed(2)).to(torch.int32)
+def test_gpu_grouped_rows():
+    """128 skewed groups, a fifth of them empty, with the bound's extra zero rows."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = (torch.rand(128, generator=gen) ** 3 * 60).long()
+    sizes[torch.randint(0, 128, (26,), generator=gen)] = 0
+    sizes = sizes.tolist()
+    x = torch.randn(sum(sizes), 520, generator=gen)
+    starts, padded_starts = row_starts(sizes, 32, "cuda")
+    total = int(padded_starts[-1]) + 96
+    gathered = padded_rows(x, sizes, 32, total)
     for fmt in FORMATS:
-        got = triton_quantizer.quantize_rows(x, idx.cuda(), FORMATS[fmt], "rceil", 32)
-        gathered = torch.where((idx >= 0)[:, None], x.cpu()[idx.clamp(min=0).long()], 0.0)
+        got = triton_quantizer.quantize_rows(x.cuda(), starts, padded_starts, total, FORMATS[fmt], "rceil", 32)
         assert_same(torch_quantizer.quantize(gathered, FORMATS[fmt], 0, "rceil", 32, 0), got)

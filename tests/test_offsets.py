@@ -93,6 +93,22 @@ def test_group_ends_kernel_wraps_like_cumsum():
     assert torch.equal(group_ends_module.group_ends(sizes), torch.cumsum(sizes, 0, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("groups", [1, 3, 17, 257])
+@pytest.mark.parametrize("split_dtype", [torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("align", [32, 128])
+def test_padded_row_table(groups, split_dtype, align):
+    """Tight starts, padded starts and padded sizes, against the sums worked out in Python
+    (the kernel in the interpreter, torch ops otherwise)."""
+    sizes = torch.randint(0, 100, (groups,), dtype=split_dtype)
+    sizes[torch.randint(0, groups, (groups // 3,))] = 0  # empty groups
+    padded = [-(-s // align) * align for s in sizes.tolist()]
+    starts, padded_starts, padded_sizes = group_ends_module.padded_row_table(sizes, align)
+    assert starts.tolist() == [0, *itertools.accumulate(sizes.tolist())]
+    assert padded_starts.tolist() == [0, *itertools.accumulate(padded)]
+    assert padded_sizes.tolist() == padded
+    assert {starts.dtype, padded_starts.dtype, padded_sizes.dtype} == {torch.int32}
+
+
 def test_group_ends_falls_back_to_cumsum(monkeypatch):
     """Past MAX_GROUPS, with no groups, or strided sizes: torch.cumsum, no launch."""
     monkeypatch.setattr(group_ends_module, "_launch", lambda *a: pytest.fail("launched"))

@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Literal
 
 import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
-from grouped_gemm.group_offsets import GroupOffsets, host_split_ints
+from grouped_gemm.group_ends import padded_row_table
+from grouped_gemm.group_offsets import GroupOffsets, host_split_ints, host_to_device
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_checked, scale_rule_name
@@ -111,8 +113,8 @@ def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.T
 
 
 def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | None, torch.Tensor]:
-    """(host list or None, int64 sizes on ``device``) for validated-enough splits
-    (a ``gg.offsets`` result counts as its ``splits`` tensor)."""
+    """(host list and its int64 CPU tensor, or None and the sizes moved to ``device``) for
+    validated-enough splits (a ``gg.offsets`` result counts as its ``splits`` tensor)."""
     if type(m_splits) is GroupOffsets:
         if m_splits.written():  # as every GEMM call refuses them
             raise SplitsError(
@@ -122,14 +124,27 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
         if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
             raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
-        return None, m_splits.to(device, torch.int64)
+        return None, m_splits.to(device)
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type == "meta":
         raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or t's device), not meta")
     m_splits = host_split_ints(m_splits)
     if not m_splits or min(m_splits) < 0 or sum(m_splits) != rows:
         raise SplitsError("m_splits", m_splits, f"at least one non-negative group size, summing to t.shape[0]={rows}")
     host = list(m_splits)
-    return host, torch.tensor(host, dtype=torch.int64).to(device)
+    return host, torch.tensor(host, dtype=torch.int64)
+
+
+def _row_table(
+    host: list[int] | None, sizes: torch.Tensor, align: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(offsets, padded offsets, padded sizes) int32 on ``device``: from host sizes in one
+    pinned copy, from device sizes in one launch (``padded_row_table``)."""
+    if host is None:
+        return padded_row_table(sizes, align)
+    padded = [-(-s // align) * align for s in host]
+    table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded), *padded], device)
+    groups = len(host)
+    return table[: groups + 1], table[groups + 1 : 2 * groups + 2], table[2 * groups + 2 :]
 
 
 def quantize_mx_rows(
@@ -158,19 +173,19 @@ def quantize_mx_rows(
         total = sum(-(-s // align) * align for s in host)
     else:
         total = -(-(t.shape[0] + groups * (align - 1)) // align) * align
-    row_map, offsets, padded_offsets = _build_row_map(sizes, total, align)
-    if t.device.type == "cuda":  # CUDA and ROCm
+    padded_splits: list[int] | torch.Tensor
+    if t.device.type == "cuda":  # CUDA and ROCm: the fused kernel finds each row's group itself
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
-        tensor = triton_quantizer.quantize_rows(t, row_map, FORMATS[fmt], scale_rule, block_size)
+        offsets, padded_offsets, padded_splits = _row_table(host, sizes, align, t.device)
+        tensor = triton_quantizer.quantize_rows(t, offsets, padded_offsets, total, FORMATS[fmt], scale_rule, block_size)
     else:
+        row_map, offsets, padded_offsets = _build_row_map(sizes, total, align)
         source = t if t.shape[0] else t.new_zeros(1, t.shape[1])
         gathered = torch.where((row_map >= 0).unsqueeze(1), source[row_map.clamp(min=0).long()], 0)
         tensor = torch_quantizer.quantize(gathered, FORMATS[fmt], 0, scale_rule, block_size, 0)
-    padded_splits: list[int] | torch.Tensor
+        padded_splits = torch.diff(padded_offsets)
     if host is not None:
         padded_splits = [-(-s // align) * align for s in host]
-    else:
-        padded_splits = torch.diff(padded_offsets)
     # Host sizes as the private list: the caller's list may change after this call.
     return MXRows(tensor, host if host is not None else m_splits, padded_splits, offsets, padded_offsets, align)

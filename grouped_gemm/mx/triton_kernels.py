@@ -166,11 +166,33 @@ def quantize_last(
 
 
 @triton.jit
-def _load_rows(x_ptr, map_ptr, o, row, i, length, padded, inner, HAS_MAP: tl.constexpr, BF16_BITS: tl.constexpr):
-    """Rows ``row`` of ``x[o]`` as fp32 (zeros past ``length`` or where the row map says -1)."""
-    if HAS_MAP:
-        src = tl.load(map_ptr + row, mask=row < padded, other=-1).to(tl.int64)
-        ok = (src >= 0) & (i < inner)
+def _group_rows(starts_ptr, padded_starts_ptr, groups, block_row, SEARCH_STEPS: tl.constexpr):
+    """(source row offset, row limit) of the padded 32-row blocks starting at ``block_row``:
+    padded row p of a block reads input row ``p + offset`` where ``p < limit`` (its group's
+    real rows) and is a zero row past it. The group is the last padded start at or before
+    the block (empty groups share their start with the next group), found by a binary
+    search of ``SEARCH_STEPS`` halvings over the ``groups + 1`` padded starts."""
+    g = block_row * 0
+    for step in tl.static_range(SEARCH_STEPS):
+        probe = g + (1 << (SEARCH_STEPS - 1 - step))
+        inside = probe <= groups
+        start = tl.load(padded_starts_ptr + probe, mask=inside, other=0)
+        g = tl.where(inside & (start <= block_row), probe, g)
+    real = g < groups
+    padded_start = tl.load(padded_starts_ptr + g)
+    start = tl.load(starts_ptr + g)
+    size = tl.load(starts_ptr + g + 1, mask=real, other=0) - start
+    limit = tl.where(real, padded_start + size, -1)
+    return (start - padded_start).to(tl.int64), limit
+
+
+@triton.jit
+def _load_rows(x_ptr, o, row, i, length, inner, shift, limit, GROUPED: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Rows ``row`` of ``x[o]`` as fp32; zeros past ``length``, or (``GROUPED``: ``row`` is a
+    padded row) past the group's ``limit``, its real rows read at ``row + shift``."""
+    if GROUPED:
+        src = row.to(tl.int64) + shift
+        ok = (row < limit) & (i < inner)
     else:
         src = row.to(tl.int64)
         ok = (row < length) & (i < inner)
@@ -180,7 +202,9 @@ def _load_rows(x_ptr, map_ptr, o, row, i, length, padded, inner, HAS_MAP: tl.con
 @triton.jit
 def quantize_strided(
     x_ptr,
-    map_ptr,
+    starts_ptr,
+    padded_starts_ptr,
+    groups,
     data_ptr,
     scale_ptr,
     length,
@@ -188,7 +212,7 @@ def quantize_strided(
     inner,
     block_tiles,
     inner_tiles,
-    HAS_MAP: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
     TILE_INNER: tl.constexpr,
@@ -220,10 +244,17 @@ def quantize_strided(
     i = i1[None, None, None, :]
     m = tl.arange(0, ROW_THREADS)[:, None, None, None] * ROW_REGS + tl.arange(0, ROW_REGS)[None, None, :, None]
     j = b1[None, :, None, None] * BLOCK + m * PER
-    x0 = _load_rows(x_ptr, map_ptr, o, j, i, length, padded, inner, HAS_MAP, BF16_BITS)
+    GROUPED: tl.constexpr = SEARCH_STEPS > 0
+    if GROUPED:
+        shift, limit = _group_rows(starts_ptr, padded_starts_ptr, groups, b1 * BLOCK, SEARCH_STEPS)
+        shift = shift[None, :, None, None]
+        limit = limit[None, :, None, None]
+    else:
+        shift, limit = 0, 0
+    x0 = _load_rows(x_ptr, o, j, i, length, inner, shift, limit, GROUPED, BF16_BITS)
     amax = block_amax(x0, 2, -1)  # registers first, then one shuffle tree for both halves
     if NBITS == 4:
-        x1 = _load_rows(x_ptr, map_ptr, o, j + 1, i, length, padded, inner, HAS_MAP, BF16_BITS)
+        x1 = _load_rows(x_ptr, o, j + 1, i, length, inner, shift, limit, GROUPED, BF16_BITS)
         amax = tl.maximum(amax, block_amax(x1, 2, -1))
     inv_scale, nonfinite, scale_bytes = block_scales(tl.max(amax, axis=0), RULE, EMAX, MAX_MANT, MBITS)
     inv_scale = inv_scale[None, :, None, :]

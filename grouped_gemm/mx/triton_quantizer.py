@@ -114,7 +114,7 @@ def _launch_last(
 
 def _launch_strided(
     x: torch.Tensor,
-    row_map: torch.Tensor | None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None,
     data: torch.Tensor,
     scale: torch.Tensor,
     outer: int,
@@ -142,7 +142,9 @@ def _launch_strided(
     _QUANTIZE_STRIDED(
         grid,
         x,
-        row_map if row_map is not None else x,
+        groups[0] if groups else x,
+        groups[1] if groups else x,
+        groups[1].numel() - 1 if groups else 0,
         data,
         scale,
         length,
@@ -150,7 +152,7 @@ def _launch_strided(
         inner,
         block_tiles,
         inner_tiles,
-        HAS_MAP=row_map is not None,
+        SEARCH_STEPS=(groups[1].numel() - 1).bit_length() if groups else 0,
         BLOCK=block_size,
         TILE_BLOCKS=tile_blocks,
         TILE_INNER=tile_inner,
@@ -218,16 +220,27 @@ def quantize(
     )
 
 
-def quantize_rows(t: torch.Tensor, row_map: torch.Tensor, fmt: MXFormat, rule: str, block_size: int) -> MXTensor:
-    """Quantize along axis 0 the rows ``t[row_map[p]]`` (zeros where ``row_map[p] < 0``) of
-    a 2-D tensor, without materializing them: an ``(len(row_map), C)`` MXTensor."""
+def quantize_rows(
+    t: torch.Tensor,
+    starts: torch.Tensor,
+    padded_starts: torch.Tensor,
+    padded: int,
+    fmt: MXFormat,
+    rule: str,
+    block_size: int,
+) -> MXTensor:
+    """Quantize along axis 0 the rows of a 2-D tensor regrouped without materializing them:
+    group g's rows ``[starts[g], starts[g + 1])`` become rows from ``padded_starts[g]`` of a
+    ``(padded, C)`` MXTensor, zeros up to ``padded_starts[g + 1]`` and past the last group.
+    ``starts`` / ``padded_starts``: (G + 1,) int32 on ``t``'s device, every padded group a
+    multiple of ``block_size`` rows."""
     _check_runnable(t)
     x = _kernel_input(t)
-    padded = row_map.numel()
     cols = x.shape[1]
     data, scale = _outputs([padded, cols], 0, fmt, block_size, x.device)
     if data.numel():
-        _launch_strided(x, row_map, data, scale, 1, x.shape[0], padded, cols, fmt, rule, block_size, None)
+        groups = (starts, padded_starts)
+        _launch_strided(x, groups, data, scale, 1, x.shape[0], padded, cols, fmt, rule, block_size, None)
     return MXTensor(
         data=data if fmt.storage == torch.uint8 else data.view(fmt.storage),
         scale=scale,
