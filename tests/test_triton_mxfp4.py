@@ -652,3 +652,39 @@ def test_gpu_quantize_decode_equals_quantize_then_decode(fmt, gen):
         x = _activation((4096, 7168), dtype, gen, torch.device("cuda"), tiny=True)
         want = launch.dequantize(quantize_mx(x, fmt, axis=-1, scale_rule=rule))
         _assert_bit_identical(launch.quantize_decode(x, fmt, rule), want)
+
+
+# ---- the same along the tokens per group, rows kept in place (launch.quantize_decode_rows) --
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [[40, 0, 7, 33], [0, 0, 65], [5], [0]], ids=["ragged", "empty-first", "G1", "M0"])
+def test_quantize_decode_rows_equals_quantize_rows_then_decode(fmt, splits, gen):
+    """Bit for bit ``gg.quantize_mx_rows`` decoded with its padding rows dropped, for every
+    input dtype and scale rule, with blocks past the last group (device splits size the
+    grid by a bound) and a column tile that does not divide the width."""
+    m = sum(splits)
+    for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.float16, "even")):
+        x = _activation((m, 61), dtype, gen, tiny=dtype != torch.float16) if m >= 5 else torch.randn(m, 61).to(dtype)
+        want = gg.quantize_mx_rows(x, splits, fmt, scale_rule=rule).dequantize(torch.bfloat16)
+        starts, padded_starts, padded_rows = gg.mx.padded_row_offsets(splits, m, x.device)
+        for tile in (None, launch.DequantTile(br=32, bc=64, warps=2)):
+            out = launch.quantize_decode_rows(x, starts, padded_starts, padded_rows + 64, fmt, rule, tile=tile)
+            _assert_bit_identical(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_gpu_quantize_decode_rows_equals_quantize_rows_then_decode(fmt, gen):
+    """128 skewed groups (two empty) of a dsv3-wide activation, host and device splits,
+    bf16 and fp32, against the Triton row quantizer and the MXTensor decode."""
+    splits = gg.skewed_splits(128, 8192)
+    splits[5] = splits[77] = 0
+    splits[0] += 8192 - sum(splits)
+    for dtype, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor")):
+        x = _activation((8192, 7168), dtype, gen, torch.device("cuda"), tiny=True)
+        for m_splits in (splits, torch.tensor(splits, device="cuda")):
+            want = gg.quantize_mx_rows(x, m_splits, fmt, scale_rule=rule).dequantize(torch.bfloat16)
+            starts, padded_starts, padded_rows = gg.mx.padded_row_offsets(m_splits, 8192, x.device)
+            _assert_bit_identical(launch.quantize_decode_rows(x, starts, padded_starts, padded_rows, fmt, rule), want)

@@ -77,10 +77,12 @@ def _wgrad(problem: Problem, inputs: GroupedInputs, tiles: launch.WgradConfig | 
     """dy and x quantized along the tokens per group; ``tl.dot_scaled`` on them, or their exact
     bf16 decodes through the same wgrad kernel, or (sm_90, a new bf16 result) through
     ``torch._grouped_mm``."""
-    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
     if not problem.device.has("scaled_mma"):
-        dy_q, x_q = launch.dequantize(dy_q), launch.dequantize(x_q)
+        dy_b, x_b, ends = operands.wgrad_decoded(problem, inputs.a, inputs.b, inputs.m_splits)
         if inputs.out is None and launch.vendor_wgrad_runs(problem):
-            return launch.vendor_wgrad(dy_q, x_q, padded_ends)
+            return launch.vendor_wgrad(dy_b, x_b, ends)
+        out = inputs.output(problem)
+        return launch.launch_wgrad(dy_b, x_b, ends, out, problem.groups, problem.accumulate, tiles)
+    dy_q, x_q, padded_ends = operands.wgrad_operands(problem, inputs.a, inputs.b, inputs.m_splits)
     out = inputs.output(problem)
     return launch.launch_wgrad(dy_q, x_q, padded_ends, out, problem.groups, problem.accumulate, tiles)

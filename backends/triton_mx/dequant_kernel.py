@@ -1,10 +1,13 @@
 """MX -> bf16 decode of an activation or gradient operand (the Hopper path's first pass).
 
-Two kernels: ``dequant_kernel`` decodes an ``MXTensor``; ``quantize_decode_kernel`` takes a
+Three kernels: ``dequant_kernel`` decodes an ``MXTensor``; ``quantize_decode_kernel`` takes a
 high-precision activation, quantizes each 32-block along its last axis with the MX
 quantizer's own jit helpers and writes the decoded values, in one pass: the same bf16
 tensor as quantizing (``gg.quantize_mx``) and then decoding, without writing and reading
-the codes in between.
+the codes in between. ``quantize_decode_rows_kernel`` does the same along the tokens per
+group for wgrad (the blocks of ``gg.quantize_mx_rows``: every group's rows from its own
+start, its last block zero-padded), storing each decoded row in its own place, so the
+result is as tight as the input and the padding rows are never written.
 
 Hopper's wgmma reads its right operand from shared memory, so an activation upcast inside
 the GEMM would make the trip through shared memory that the weights avoid. Instead the
@@ -36,7 +39,7 @@ import triton
 import triton.language as tl
 
 from grouped_gemm.backends.triton_mx.decode import e2m1_to_fp32, e4m3_to_fp32, e5m2_to_fp32, e8m0_to_fp32, narrow
-from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, widen
+from grouped_gemm.mx.triton_kernels import block_amax, block_scales, encode, group_rows, widen
 
 
 @triton.jit
@@ -158,6 +161,51 @@ def quantize_decode_kernel(
     scale = e8m0_to_fp32(scale_bytes)
     values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
     tl.store(Out + r64 * stride_o + c, narrow(values, Out.dtype.element_ty, INTERP), mask=row_ok & (c < cols))
+
+
+@triton.jit
+def quantize_decode_rows_kernel(
+    X,
+    stride_x,
+    Out,
+    stride_o,
+    starts,
+    padded_starts,
+    groups,
+    cols,
+    col_tiles,
+    SEARCH_STEPS: tl.constexpr,
+    FMT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    BC: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NBITS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NATIVE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Padded 32-row block ``program_id // col_tiles`` of the per-group token layout
+    (``starts`` / ``padded_starts``: (groups + 1,) int32) by ``BC`` columns: its group's
+    rows, zeros past the group's end, quantized along the rows and decoded as
+    ``quantize_decode_kernel`` does along columns; each real row is stored at its own row
+    of ``Out`` (the input's shape). A block past the last group stores nothing."""
+    block = tl.program_id(0) // col_tiles
+    col_tile = tl.program_id(0) % col_tiles
+    shift, limit = group_rows(starts, padded_starts, groups, block * 32, SEARCH_STEPS)
+    p = block * 32 + tl.arange(0, 32)
+    src = (p.to(tl.int64) + shift)[:, None]
+    c = (col_tile * BC + tl.arange(0, BC))[None, :]
+    ok = (p < limit)[:, None] & (c < cols)
+    x = widen(tl.load(X + src * stride_x + c, mask=ok, other=0), BF16_BITS)
+    inv_scale, _, scale_bytes = block_scales(block_amax(x, 0, -1), RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * inv_scale[None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    values = _decode(code, FMT, HW_E4M3) * e8m0_to_fp32(scale_bytes)[None, :]
+    tl.store(Out + src * stride_o + c, narrow(values, Out.dtype.element_ty, INTERP), mask=ok)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import (
     DequantTile,
     dequant_kernel,
     quantize_decode_kernel,
+    quantize_decode_rows_kernel,
 )
 from grouped_gemm.backends.triton_mx.grouped_kernel import grouped_kernel
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
@@ -42,6 +43,7 @@ from grouped_gemm.triton_launcher import CachedLauncher, Constexprs, cdiv
 _UPCAST = CachedLauncher(upcast_grouped_kernel)
 _SCALED = CachedLauncher(scaled_grouped_kernel)
 _QUANTIZE_DECODE = CachedLauncher(quantize_decode_kernel)
+_QUANTIZE_DECODE_ROWS = CachedLauncher(quantize_decode_rows_kernel)
 _DEQUANT = CachedLauncher(dequant_kernel)
 _WGRAD = CachedLauncher(wgrad_grouped_kernel)
 _GROUPED = CachedLauncher(grouped_kernel)
@@ -635,6 +637,66 @@ def _quantize_decode_plan(
     )
 
 
+def quantize_decode_rows(
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    padded_starts: torch.Tensor,
+    padded_rows: int,
+    fmt: str,
+    scale_rule: str,
+    tile: DequantTile | None = None,
+) -> torch.Tensor:
+    """A 2-D (M, C) bf16 / fp16 / fp32 tensor of token rows quantized to ``fmt`` along the
+    tokens per group and decoded to bf16 in one pass, in the input's own rows: bit for bit
+    ``gg.quantize_mx_rows(x, ...)``'s tensor decoded, its padding rows dropped (NaN payloads
+    aside). ``starts`` / ``padded_starts`` / ``padded_rows``: ``gg.mx.padded_row_offsets``.
+    ``tile`` overrides the default (its ``bc`` and ``warps``; a program takes 32 rows)."""
+    rows, cols = x.shape
+    device, dtype = x.device, x.dtype
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
+    groups = padded_starts.numel() - 1
+    if rows and cols:
+        tile, constexprs = _quantize_decode_rows_plan(
+            interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile, groups.bit_length()
+        )
+        src = x.contiguous()
+        src = src.view(torch.int16) if dtype == torch.bfloat16 else src
+        col_tiles = cdiv(cols, tile.bc)
+        grid = (padded_rows // 32 * col_tiles,)
+        # ``out`` is new and contiguous: its row stride is ``cols``.
+        _QUANTIZE_DECODE_ROWS.launch(
+            grid, constexprs, src, src.stride(0), out, cols, starts, padded_starts, groups, cols, col_tiles
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_decode_rows_plan(
+    interp: bool,
+    hw_e4m3: bool,
+    fmt: str,
+    scale_rule: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tile: DequantTile | None,
+    search_steps: int,
+) -> tuple[DequantTile, Constexprs]:
+    """``_quantize_decode_plan`` for ``quantize_decode_rows``: the axis-0 decode tile's
+    columns and warps (a program takes one 32-row block), and the group search's steps."""
+    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[0])
+    src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
+    quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
+    return tile, Constexprs(
+        SEARCH_STEPS=search_steps,
+        FMT=fmt,
+        HW_E4M3=hw_e4m3,
+        BC=tile.bc,
+        INTERP=interp,
+        num_warps=tile.warps,
+        **quantizer,
+    )
+
+
 def vendor_wgrad_runs(problem: Problem) -> bool:
     """Whether the decoded wgrad goes to ``torch._grouped_mm``: a new bf16 result on sm_90,
     compiled (not interpreted). There CUTLASS's K-grouped GEMM ran the bf16 decodes in about
@@ -650,11 +712,11 @@ def vendor_wgrad_runs(problem: Problem) -> bool:
     )
 
 
-def vendor_wgrad(dy: torch.Tensor, x: torch.Tensor, padded_ends: torch.Tensor) -> torch.Tensor:
-    """``dw[g] = dy_g^T @ x_g`` over the padded token layout (groups padded to 32 rows with
-    zero rows, so multiples of 16 as the K-grouped GEMM needs) by ``torch._grouped_mm``;
-    on sm_90 it writes zeros for groups without rows."""
-    return torch._grouped_mm(dy.t(), x, offs=padded_ends)
+def vendor_wgrad(dy: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = dy_g^T @ x_g`` over the group ends by ``torch._grouped_mm``, which takes
+    groups of any size (as the bf16 wgrad route does); on sm_90 it writes zeros for groups
+    without rows."""
+    return torch._grouped_mm(dy.t(), x, offs=ends)
 
 
 def dequantize(t: MXTensor, dtype: torch.dtype = torch.bfloat16, tile: DequantTile | None = None) -> torch.Tensor:

@@ -17,8 +17,11 @@ a16w4       bf16, unquantized   bf16, unquantized        E2M1
 
 wgrad (mxfp4, mxfp8): dy quantized to grad_format and x to the activation format along
 the tokens, each group's rows padded to a multiple of 32 so no block straddles two groups
-(``gg.quantize_mx_rows``). a8w4's wgrad (E4M3 x E4M3) and a16w4's (bf16 x bf16) have no
-E2M1 operand and are left to other backends (``triton_mxfp4``'s check says so).
+(``gg.quantize_mx_rows``). Where the product runs on the exact bf16 decodes (sm_90), the
+quantization and the decode are one pass that keeps the rows in place (``wgrad_decoded``):
+the padding is only where the blocks start, never in memory. a8w4's wgrad (E4M3 x E4M3)
+and a16w4's (bf16 x bf16) have no E2M1 operand and are left to other backends
+(``triton_mxfp4``'s check says so).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
 from grouped_gemm.backends.triton_mx.layouts import UpcastWeight
 from grouped_gemm.errors import InvalidArgumentError
-from grouped_gemm.mx import MXTensor, quantize_mx, quantize_mx_rows, quantize_mx_weight
+from grouped_gemm.mx import MXTensor, padded_row_offsets, quantize_mx, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.problem import Problem
 from grouped_gemm.recipes import get_recipe
 
@@ -111,3 +114,18 @@ def wgrad_operands(
     dy_rows = quantize_mx_rows(dy, m_splits, problem.grad_format, align=BLOCK, scale_rule=problem.scale_rule)
     x_rows = quantize_mx_rows(x, m_splits, x_format, align=BLOCK, scale_rule=problem.scale_rule)
     return dy_rows.tensor, x_rows.tensor, dy_rows.padded_offsets[1:]
+
+
+def wgrad_decoded(
+    problem: Problem, dy: torch.Tensor, x: torch.Tensor, m_splits: list[int] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wgrad_operands`` decoded to bf16 in the inputs' own (tight) rows, and the tight
+    cumulative group ends (G,) int32: bit for bit the decodes of ``wgrad_operands`` with
+    their padding rows dropped, in two quantize-and-decode passes that share one group
+    table (``gg.mx.padded_row_offsets``)."""
+    x_format = get_recipe(problem.recipe).act_format
+    starts, padded_starts, padded_rows = padded_row_offsets(m_splits, dy.shape[0], dy.device, BLOCK)
+    rule = problem.scale_rule
+    dy_b = launch.quantize_decode_rows(dy, starts, padded_starts, padded_rows, problem.grad_format, rule)
+    x_b = launch.quantize_decode_rows(x, starts, padded_starts, padded_rows, x_format, rule)
+    return dy_b, x_b, starts[1:]

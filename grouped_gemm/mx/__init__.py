@@ -5,7 +5,7 @@ See docs/mx_formats.md for the rules and where they come from.
 """
 
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS, SCALE_RULES, MXFormat
-from grouped_gemm.mx.grouped import MXRows, quantize_mx_rows, quantize_mx_weight
+from grouped_gemm.mx.grouped import MXRows, padded_row_offsets, quantize_mx_rows, quantize_mx_weight
 from grouped_gemm.mx.quantize import quantize_mx
 from grouped_gemm.mx.tensor import MXTensor
 
@@ -16,6 +16,7 @@ __all__ = [
     "MXFormat",
     "MXRows",
     "MXTensor",
+    "padded_row_offsets",
     "quantize_mx",
     "quantize_mx_rows",
     "quantize_mx_weight",

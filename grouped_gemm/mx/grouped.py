@@ -147,6 +147,29 @@ def _row_table(
     return table[: groups + 1], table[groups + 1 : 2 * groups + 2], table[2 * groups + 2 :]
 
 
+def _padded_total(host: list[int] | None, rows: int, groups: int, align: int) -> int:
+    """Rows of the padded layout: exact for host sizes; for device sizes the bound
+    ``rows + groups * (align - 1)`` rounded up to ``align`` (no sync), its tail zero rows."""
+    if host is not None:
+        return sum(-(-s // align) * align for s in host)
+    return -(-(rows + groups * (align - 1)) // align) * align
+
+
+def padded_row_offsets(
+    m_splits: list[int] | torch.Tensor | GroupOffsets, rows: int, device: torch.device, align: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(offsets, padded offsets, padded rows) of ``quantize_mx_rows``'s layout without
+    quantizing: (G + 1,) int32 group starts of the ``rows`` token rows and of their groups
+    padded to multiples of ``align``, on ``device`` (a CUDA / ROCm GPU: one launch for
+    device splits, one copy for host ones), and the padded layout's row count. For kernels
+    that quantize token rows per group themselves (the MX wgrad operands)."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < BLOCK_SIZE or align % BLOCK_SIZE:
+        raise InvalidArgumentError("align", align, f"a positive multiple of {BLOCK_SIZE}")
+    host, sizes = _sizes(m_splits, rows, device)
+    offsets, padded_offsets, _ = _row_table(host, sizes, align, device)
+    return offsets, padded_offsets, _padded_total(host, rows, sizes.numel(), align)
+
+
 def quantize_mx_rows(
     t: torch.Tensor,
     m_splits: list[int] | torch.Tensor | GroupOffsets,
@@ -168,11 +191,7 @@ def quantize_mx_rows(
     if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:
         raise InvalidArgumentError("align", align, f"a positive multiple of block_size={block_size}")
     host, sizes = _sizes(m_splits, t.shape[0], t.device)
-    groups = sizes.numel()
-    if host is not None:
-        total = sum(-(-s // align) * align for s in host)
-    else:
-        total = -(-(t.shape[0] + groups * (align - 1)) // align) * align
+    total = _padded_total(host, t.shape[0], sizes.numel(), align)
     padded_splits: list[int] | torch.Tensor
     if t.device.type == "cuda":  # CUDA and ROCm: the fused kernel finds each row's group itself
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it

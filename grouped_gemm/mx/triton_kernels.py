@@ -166,7 +166,7 @@ def quantize_last(
 
 
 @triton.jit
-def _group_rows(starts_ptr, padded_starts_ptr, groups, block_row, SEARCH_STEPS: tl.constexpr):
+def group_rows(starts_ptr, padded_starts_ptr, groups, block_row, SEARCH_STEPS: tl.constexpr):
     """(source row offset, row limit) of the padded 32-row blocks starting at ``block_row``:
     padded row p of a block reads input row ``p + offset`` where ``p < limit`` (its group's
     real rows) and is a zero row past it. The group is the last padded start at or before
@@ -246,7 +246,7 @@ def quantize_strided(
     j = b1[None, :, None, None] * BLOCK + m * PER
     GROUPED: tl.constexpr = SEARCH_STEPS > 0
     if GROUPED:
-        shift, limit = _group_rows(starts_ptr, padded_starts_ptr, groups, b1 * BLOCK, SEARCH_STEPS)
+        shift, limit = group_rows(starts_ptr, padded_starts_ptr, groups, b1 * BLOCK, SEARCH_STEPS)
         shift = shift[None, :, None, None]
         limit = limit[None, :, None, None]
     else:
