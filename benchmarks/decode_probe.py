@@ -18,6 +18,9 @@ On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), 
   ``small`` rows get ``small``-row tiles, larger ones ``bm``-row tiles) against the
   one-height 16- and 32-row tiles: a skewed split's large groups decode each weight tile
   once, while its small groups keep short tiles.
+- ``--warps``: the weight tile over two warpgroups, or 64 weight rows on one at up to four
+  programs a SM: whether register pressure (E4M3's decode tile held 235 registers a
+  thread, two programs a SM, on an H100) is what keeps the weight stream short of the bytes.
 - ``--steps``: on compute-bound cases, four 32-blocks a contraction step on the 256- and
   128-row tiles (8 warps) against the default's two: fewer instructions per element since
   the E2M1 words copy in 16-byte pieces at four blocks.
@@ -26,7 +29,7 @@ On a decode case of ``moe_shapes.json`` (default ``gptoss120b_gateup_decode``), 
 Run from the repository root::
 
     python benchmarks/decode_probe.py [--case NAME] [--splits skewed] [--fmt e4m3]
-        [--sweep | --heights | --steps | --ncu]
+        [--sweep | --heights | --warps | --steps | --ncu]
 """
 
 from __future__ import annotations
@@ -91,6 +94,20 @@ def _height_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
     return one + two
 
 
+def _warp_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
+    """Register pressure: the weight tile over two warpgroups (8 warps: half the decoded
+    operand a thread) at 128 and 256 weight rows, and 64-row weight tiles on one warpgroup
+    at up to four programs a SM, all at the default's row heights."""
+    wide = [
+        dataclasses.replace(default, bn=bn, warps=8, stages=s, per_sm=p)
+        for bn, per_sm in ((128, (2, 3)), (256, (1, 2)))
+        for s in (3, 4)
+        for p in per_sm
+    ]
+    narrow = [dataclasses.replace(default, bn=64, stages=s, per_sm=p) for s in (3, 4) for p in (2, 3, 4)]
+    return wide + narrow
+
+
 def _step_grid(default: launch.UpcastConfig) -> list[launch.UpcastConfig]:
     """Compute-bound tiles at four 32-blocks a step (16-byte E2M1 word copies since
     1e409f2) against the default's two: 256 x 128 and 128 x 128, 8 warps, 2-4 stages."""
@@ -141,6 +158,7 @@ def main() -> int:
     parser.add_argument("--fmt", choices=("e2m1", "e4m3"), default="e2m1", help="weight format")
     parser.add_argument("--sweep", action="store_true", help="stages x programs per SM, against the peer")
     parser.add_argument("--heights", action="store_true", help="two-height tiles against one-height ones")
+    parser.add_argument("--warps", action="store_true", help="8-warp and 64-row weight tiles (registers)")
     parser.add_argument("--steps", action="store_true", help="four-block steps on the compute-bound tiles")
     parser.add_argument("--ncu", action="store_true", help="launch once (for ncu) instead of timing")
     args = parser.parse_args()
@@ -157,9 +175,9 @@ def main() -> int:
         launch.launch_upcast(x, lay, splits, out, case.groups)
         torch.cuda.synchronize()
         return 0
-    if args.sweep or args.heights or args.steps:
+    if args.sweep or args.heights or args.warps or args.steps:
         default = launch.upcast_config(case.m, case.groups, args.fmt)
-        grids = {"heights": _height_grid, "steps": _step_grid, "sweep": _tile_grid}
+        grids = {"heights": _height_grid, "warps": _warp_grid, "steps": _step_grid, "sweep": _tile_grid}
         grid = next(fn for name, fn in grids.items() if getattr(args, name))(default)
         results = _sweep(x, lay, splits, out, weight_bytes, grid)
     else:
