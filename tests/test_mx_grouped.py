@@ -151,3 +151,32 @@ def test_gpu_rows_match_cpu_and_device_splits_need_no_sync(fmt):
         cpu.tensor.data.view(torch.uint8),
     )
     assert (dev.tensor.scale[total // 32 :] == 0).all()
+
+
+@pytest.mark.parametrize("splits", [[40, 0, 7, 33], [0], [5, 0]])
+@pytest.mark.parametrize("align", [32, 64])
+def test_padded_row_offsets_match_quantize_mx_rows(splits, align):
+    """The layout ``quantize_mx_rows`` quantizes into, without quantizing: same offsets,
+    padded offsets and padded row count, host splits or a tensor, device as a string."""
+    t = torch.randn(sum(splits), 32)
+    rows = gg.quantize_mx_rows(t, splits, "e4m3", align=align)
+    for m_splits in (splits, torch.tensor(splits), gg.offsets(splits)):
+        starts, padded_starts, padded_rows = gg.mx.padded_row_offsets(m_splits, sum(splits), "cpu", align)
+        assert torch.equal(starts, rows.offsets) and torch.equal(padded_starts, rows.padded_offsets)
+        assert padded_rows == rows.tensor.shape[0] and starts.dtype == padded_starts.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (([32, 32], 63, "cpu"), "m_splits"),
+        (([32, -1], 31, "cpu"), "m_splits"),
+        (([32], 32.0, "cpu"), "rows"),
+        (([32], -1, "cpu"), "rows"),
+        (([32], 32, "nowhere"), "device"),
+        (([32], 32, "cpu", 48), "align"),
+    ],
+)
+def test_padded_row_offsets_names_bad_arguments(args, name):
+    with pytest.raises(gg.GroupedGemmError, match=rf"\b{name}\b"):
+        gg.mx.padded_row_offsets(*args)

@@ -156,7 +156,7 @@ def _padded_total(host: list[int] | None, rows: int, groups: int, align: int) ->
 
 
 def padded_row_offsets(
-    m_splits: list[int] | torch.Tensor | GroupOffsets, rows: int, device: torch.device, align: int = BLOCK_SIZE
+    m_splits: list[int] | torch.Tensor | GroupOffsets, rows: int, device: torch.device | str, align: int = BLOCK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(offsets, padded offsets, padded rows) of ``quantize_mx_rows``'s layout without
     quantizing: (G + 1,) int32 group starts of the ``rows`` token rows and of their groups
@@ -165,6 +165,12 @@ def padded_row_offsets(
     that quantize token rows per group themselves (the MX wgrad operands)."""
     if isinstance(align, bool) or not isinstance(align, int) or align < BLOCK_SIZE or align % BLOCK_SIZE:
         raise InvalidArgumentError("align", align, f"a positive multiple of {BLOCK_SIZE}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise InvalidArgumentError("rows", rows, "a non-negative int (the token rows the splits cover)")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError("device", device, "a torch.device or a device string such as 'cuda'") from exc
     host, sizes = _sizes(m_splits, rows, device)
     offsets, padded_offsets, _ = _row_table(host, sizes, align, device)
     return offsets, padded_offsets, _padded_total(host, rows, sizes.numel(), align)
