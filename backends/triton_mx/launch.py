@@ -623,17 +623,21 @@ def _quantize_decode_plan(
     dtype: torch.dtype,
     device: torch.device,
     tile: DequantTile | None,
+    search_steps: int = 0,
 ) -> tuple[DequantTile, Constexprs]:
-    """The tile and the constexprs of a ``quantize_decode`` launch, worked out once per format,
-    rule, dtype and device (issue 14: the MX recipes run it before every sm_90 GEMM); keyed
-    like ``_upcast_plan`` on ``interpreted()`` and ``ptx_decode`` (``hw_e4m3``)."""
-    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[1])
-    if tile.bc % 32:
+    """The tile and the constexprs of a ``quantize_decode`` launch (``search_steps`` 0) or a
+    ``quantize_decode_rows`` one (its group search's steps; a program takes one 32-row
+    block, so the axis-0 tile's columns and warps), worked out once per format, rule, dtype
+    and device (issue 14: the MX recipes run them before every sm_90 GEMM); keyed like
+    ``_upcast_plan`` on ``interpreted()`` and ``ptx_decode`` (``hw_e4m3``)."""
+    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[0 if search_steps else 1])
+    if not search_steps and tile.bc % 32:
         raise InvalidArgumentError("tile", tile, "a multiple of 32 columns (whole blocks along the last axis)")
     src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
     quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
+    shape = {"SEARCH_STEPS": search_steps} if search_steps else {"BR": tile.br}
     return tile, Constexprs(
-        FMT=fmt, HW_E4M3=hw_e4m3, BR=tile.br, BC=tile.bc, INTERP=interp, num_warps=tile.warps, **quantizer
+        FMT=fmt, HW_E4M3=hw_e4m3, BC=tile.bc, INTERP=interp, num_warps=tile.warps, **shape, **quantizer
     )
 
 
@@ -656,7 +660,7 @@ def quantize_decode_rows(
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
     groups = padded_starts.numel() - 1
     if rows and cols:
-        tile, constexprs = _quantize_decode_rows_plan(
+        tile, constexprs = _quantize_decode_plan(
             interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile, groups.bit_length()
         )
         src = x.contiguous()
@@ -668,33 +672,6 @@ def quantize_decode_rows(
             grid, constexprs, src, src.stride(0), out, cols, starts, padded_starts, groups, cols, col_tiles
         )
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _quantize_decode_rows_plan(
-    interp: bool,
-    hw_e4m3: bool,
-    fmt: str,
-    scale_rule: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    tile: DequantTile | None,
-    search_steps: int,
-) -> tuple[DequantTile, Constexprs]:
-    """``_quantize_decode_plan`` for ``quantize_decode_rows``: the axis-0 decode tile's
-    columns and warps (a program takes one 32-row block), and the group search's steps."""
-    tile = tile or (DequantTile(br=32, bc=32, warps=4) if interp else DEQUANT_TILES[0])
-    src_dtype = torch.int16 if dtype == torch.bfloat16 else dtype  # bf16 goes in as its bits
-    quantizer = triton_quantizer.format_constants(src_dtype, device, FORMATS[fmt], scale_rule)
-    return tile, Constexprs(
-        SEARCH_STEPS=search_steps,
-        FMT=fmt,
-        HW_E4M3=hw_e4m3,
-        BC=tile.bc,
-        INTERP=interp,
-        num_warps=tile.warps,
-        **quantizer,
-    )
 
 
 def vendor_wgrad_runs(problem: Problem) -> bool:
