@@ -183,6 +183,26 @@ def test_grouped_rows_read_in_place(fmt, sizes, align, extra):
     assert_same(torch_quantizer.quantize(gathered, FORMATS[fmt], 0, "rceil", 32, 0), got)
 
 
+@interpreted
+def test_grouped_rows_stay_inside_bad_splits():
+    """Starts past the input's rows (device splits that sum past M, caught only by an
+    asynchronous assert) or before row 0: the kernel reads no row outside the input. The
+    input is a view inside a larger tensor whose other rows are huge, so a read outside it
+    would change the scales."""
+    big = torch.full((140, 24), 1e30)
+    big[50:90] = torch.randn(40, 24, generator=torch.Generator().manual_seed(6))
+    x = big[50:90]
+    padded_starts = torch.tensor([0, 32, 96], dtype=torch.int32)
+    want = gg.quantize_mx_rows(x, [30, 10], "e4m3").tensor.dequantize()  # the rows inside x
+    for starts in ([0, 30, 90], [0, -64, -30]):
+        got = triton_quantizer.quantize_rows(
+            x, torch.tensor(starts, dtype=torch.int32), padded_starts, 96, FORMATS["e4m3"], "rceil", 32
+        ).dequantize()
+        assert got.abs().max() < 1e4
+        if starts[1] > 0:
+            assert torch.equal(got[:64], want)
+
+
 # Launch shapes of benchmarks/quantize_mx.py's sweep: (blocks, rows, warps) along the last
 # axis, (inner, blocks, warps) along axis 0.
 TILES = {-1: [(8, 16, 2), (32, 4, 4), (16, 8, 4)], 0: [(32, 8, 8), (64, 2, 1), (128, 4, 4)]}

@@ -674,6 +674,24 @@ def test_quantize_decode_rows_equals_quantize_rows_then_decode(fmt, splits, gen)
             _assert_bit_identical(out, want)
 
 
+@needs_interpreter
+def test_quantize_decode_rows_stays_inside_bad_splits(gen):
+    """Device splits are checked by an asynchronous assert, after the kernels are queued:
+    starts past the input's rows (or before row 0) must make the kernel touch no row outside
+    it (its output is its own, so the stores stay inside too). The input is a view inside a
+    larger tensor whose other rows are huge: a read outside it would change the scales."""
+    big = torch.full((140, 64), 1e30, dtype=torch.bfloat16)
+    big[50:90] = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    x = big[50:90]
+    padded_starts = torch.tensor([0, 32, 96], dtype=torch.int32)
+    want = gg.quantize_mx_rows(x, [30, 10], "e4m3").dequantize(torch.bfloat16)
+    for starts in ([0, 30, 90], [0, -64, -30]):
+        claimed = torch.tensor(starts, dtype=torch.int32)
+        got = launch.quantize_decode_rows(x, claimed, padded_starts, 128, "e4m3", "rceil")
+        if starts[1] > 0:  # every row of x is some group's: exact. Else rows stay unwritten.
+            _assert_bit_identical(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
 def test_gpu_quantize_decode_rows_equals_quantize_rows_then_decode(fmt, gen):

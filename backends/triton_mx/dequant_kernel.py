@@ -172,6 +172,7 @@ def quantize_decode_rows_kernel(
     starts,
     padded_starts,
     groups,
+    rows,
     cols,
     col_tiles,
     SEARCH_STEPS: tl.constexpr,
@@ -198,9 +199,10 @@ def quantize_decode_rows_kernel(
     col_tile = tl.program_id(0) % col_tiles
     shift, limit = group_rows(starts, padded_starts, groups, block * 32, SEARCH_STEPS)
     p = block * 32 + tl.arange(0, 32)
-    src = (p.to(tl.int64) + shift)[:, None]
+    src = p.to(tl.int64) + shift
     c = (col_tile * BC + tl.arange(0, BC))[None, :]
-    ok = (p < limit)[:, None] & (c < cols)
+    ok = ((p < limit) & (src >= 0) & (src < rows))[:, None] & (c < cols)  # bad device splits: no access
+    src = src[:, None]
     x = widen(tl.load(X + src * stride_x + c, mask=ok, other=0), BF16_BITS)
     inv_scale, _, scale_bytes = block_scales(block_amax(x, 0, -1), RULE, EMAX, MAX_MANT, MBITS)
     code = encode(x * inv_scale[None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)

@@ -669,7 +669,7 @@ def quantize_decode_rows(
         grid = (padded_rows // 32 * col_tiles,)
         # ``out`` is new and contiguous: its row stride is ``cols``.
         _QUANTIZE_DECODE_ROWS.launch(
-            grid, constexprs, src, src.stride(0), out, cols, starts, padded_starts, groups, cols, col_tiles
+            grid, constexprs, src, src.stride(0), out, cols, starts, padded_starts, groups, rows, cols, col_tiles
         )
     return out
 

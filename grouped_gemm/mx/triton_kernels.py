@@ -192,7 +192,7 @@ def _load_rows(x_ptr, o, row, i, length, inner, shift, limit, GROUPED: tl.conste
     padded row) past the group's ``limit``, its real rows read at ``row + shift``."""
     if GROUPED:
         src = row.to(tl.int64) + shift
-        ok = (row < limit) & (i < inner)
+        ok = (row < limit) & (src >= 0) & (src < length) & (i < inner)  # bad device splits: no access
     else:
         src = row.to(tl.int64)
         ok = (row < length) & (i < inner)
