@@ -104,8 +104,10 @@ def known_archs() -> tuple[str, ...]:
 
 _detected: dict[torch.device, DeviceInfo] = {}
 _detect_lock = threading.Lock()
-_described: contextvars.ContextVar[DeviceInfo | None] = contextvars.ContextVar(
-    "grouped_gemm_described_device", default=None
+#: The ``use_device`` scopes in force, innermost last; each a one-item list, so that a scope
+#: removes its own frame by identity even where two scopes name the same chip.
+_described: contextvars.ContextVar[tuple[list[DeviceInfo], ...]] = contextvars.ContextVar(
+    "grouped_gemm_described_device", default=()
 )
 _listeners: list[Callable[[], None]] = []
 
@@ -129,7 +131,8 @@ def described_device(device: DeviceInfo | str | None = None) -> DeviceInfo:
         return DeviceInfo.for_arch(device)
     if device is not None:  # not silently this machine's chip
         raise InvalidArgumentError("device", device, "a DeviceInfo, an arch name such as 'sm_90', or None")
-    return _described.get() or device_info(_current_device())
+    scopes = _described.get()
+    return scopes[-1][0] if scopes else device_info(_current_device())
 
 
 def _current_device() -> torch.device:
@@ -200,11 +203,14 @@ def use_device(device: DeviceInfo | str) -> Iterator[DeviceInfo]:
     info = DeviceInfo.for_arch(device) if isinstance(device, str) else device
     if not isinstance(info, DeviceInfo):
         raise InvalidArgumentError("device", device, "an arch name or a DeviceInfo")
-    token = _described.set(info)
+    frame = [info]
+    _described.set((*_described.get(), frame))
     try:
         yield info
     finally:
-        _described.reset(token)
+        # This frame only, not a reset to the scopes of entry: a scope exited out of order
+        # (a generator's, closed after its caller's) would bring back scopes already exited.
+        _described.set(tuple(f for f in _described.get() if f is not frame))
 
 
 @contextlib.contextmanager

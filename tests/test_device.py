@@ -47,6 +47,36 @@ def test_use_device_describes_and_restores():
         pass
 
 
+def test_use_device_scopes_exited_out_of_order_leave_none_behind():
+    """A generator's scope that closes after its caller's used to bring the caller's (already
+    exited) chip back, so every later described problem of the thread was for it."""
+
+    def arch() -> str:
+        return gg.describe_problem(groups=2, m=8, n=8, k=8).device.arch
+
+    here = arch()
+
+    def steps():
+        with gg.use_device("gfx950"):
+            yield
+            yield
+
+    with gg.use_device("sm_100"):
+        paused = steps()
+        next(paused)  # its scope is entered inside ours and outlives it
+    assert arch() == "gfx950"
+    for _ in paused:
+        pass
+    assert arch() == here
+    outer, inner = gg.use_device("sm_100"), gg.use_device("sm_100")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert arch() == "sm_100"
+    inner.__exit__(None, None, None)
+    assert arch() == here
+
+
 def test_real_tensors_route_by_their_own_device_under_use_device(gen):
     """A description does not steer real calls: CPU tensors under use_device("sm_100")
     are judged, and run, as CPU tensors."""
