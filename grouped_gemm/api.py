@@ -141,8 +141,11 @@ def describe_problem(
     if op not in OPS:
         raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
     for name, value in (("groups", groups), ("m", m), ("n", n), ("k", k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name != "m" else 0):
-            raise InvalidArgumentError(name, value, "a positive integer" if name != "m" else "an integer >= 0")
+        low = 1 if name != "m" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2**63:
+            # 2**63: a tensor's dimension is an int64, so a larger one describes no call.
+            allowed = "a positive integer" if low else "an integer >= 0"
+            raise InvalidArgumentError(name, value, f"{allowed} below 2**63 (a tensor dimension)")
     if groups > MAX_DESCRIBED_GROUPS:
         raise InvalidArgumentError("groups", groups, f"at most {MAX_DESCRIBED_GROUPS} for a described problem")
     for name, flag in (("device_splits", device_splits), ("accumulate", accumulate), ("weight_list", weight_list)):

@@ -374,6 +374,8 @@ DESCRIBED = [
     ({"device_splits": "yes"}, "device_splits"),
     ({"weight_list": 1}, "weight_list"),
     ({"op": "wgrad", "accumulate": "no"}, "accumulate"),
+    ({"m": 10**23}, "m"),
+    ({"k": 2**63}, "k"),
 ]
 
 
