@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from grouped_gemm.errors import ConfigError
 from grouped_gemm.recipes import RECIPES
+from grouped_gemm.scope_stack import pushed
 
 LOGGER = logging.getLogger("grouped_gemm")
 
@@ -314,14 +315,8 @@ def use_backends(
         debug=debug,
         autotune=autotune,
     )
-    _scopes.set(_scopes.get() + (frame,))
-    try:
+    with pushed(_scopes, frame):  # out-of-order exits remove only their own frame
         yield
-    finally:
-        # Remove this frame only, not ``reset`` to the frames of entry: a scope exited out of
-        # order (a generator's scope closed after the caller's, an ExitStack misused) would
-        # otherwise bring back frames already exited, and route every later call by them.
-        _scopes.set(tuple(s for s in _scopes.get() if s is not frame))
 
 
 def _after_fork() -> None:

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from grouped_gemm.errors import InvalidArgumentError
+from grouped_gemm.scope_stack import pushed
 
 Vendor = Literal["cpu", "cuda", "rocm"]
 
@@ -203,14 +204,8 @@ def use_device(device: DeviceInfo | str) -> Iterator[DeviceInfo]:
     info = DeviceInfo.for_arch(device) if isinstance(device, str) else device
     if not isinstance(info, DeviceInfo):
         raise InvalidArgumentError("device", device, "an arch name or a DeviceInfo")
-    frame = [info]
-    _described.set((*_described.get(), frame))
-    try:
+    with pushed(_described, [info]):  # out-of-order exits remove only their own frame
         yield info
-    finally:
-        # This frame only, not a reset to the scopes of entry: a scope exited out of order
-        # (a generator's, closed after its caller's) would bring back scopes already exited.
-        _described.set(tuple(f for f in _described.get() if f is not frame))
 
 
 @contextlib.contextmanager

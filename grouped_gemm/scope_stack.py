@@ -1,0 +1,25 @@
+"""Nested scopes kept as a stack in a ``ContextVar`` (``use_backends``, ``use_device``).
+
+Why not ``ContextVar.set`` / ``reset(token)``: reset returns the stack to what it was at
+entry, so a scope exited out of order (a generator's scope closed after its caller's, an
+``ExitStack`` misused) brings back scopes already exited, and every later call in that
+thread or task is ruled by them. Here a scope removes only its own frame, by identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def pushed(stack: contextvars.ContextVar[tuple[Any, ...]], frame: Any) -> Iterator[None]:
+    """``frame`` on top of ``stack`` inside the block; on exit that frame alone is removed.
+    Frames are told apart by identity, so each scope needs an object of its own."""
+    stack.set((*stack.get(), frame))
+    try:
+        yield
+    finally:
+        stack.set(tuple(f for f in stack.get() if f is not frame))
