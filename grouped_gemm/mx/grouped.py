@@ -91,13 +91,12 @@ class MXRows:
 
 def _row_map(rows: MXRows, device: torch.device) -> torch.Tensor:
     sizes = torch.diff(rows.offsets.to(device, torch.int64))
-    return _build_row_map(sizes, rows.tensor.shape[0], rows.align)[0]
+    return _build_row_map(sizes, rows.tensor.shape[0], rows.align)
 
 
-def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row map, tight offsets, padded offsets): padded row p reads input row
-    ``row_map[p]`` (-1: a zero row). All on ``sizes.device``, no host sync."""
-    zero = sizes.new_zeros(1)
+def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> torch.Tensor:
+    """The row map of the padded layout (the CPU path and ``MXRows.dequantize``): padded row
+    p reads input row ``row_map[p]`` (-1: a zero row). On ``sizes.device``, no host sync."""
     padded = (sizes + align - 1) // align * align
     pend = torch.cumsum(padded, 0)
     tend = torch.cumsum(sizes, 0)
@@ -108,8 +107,7 @@ def _build_row_map(sizes: torch.Tensor, total: int, align: int) -> tuple[torch.T
     gc = g.clamp(max=sizes.numel() - 1)
     local = p - pstart[gc]
     valid = (g < sizes.numel()) & (local < sizes[gc])
-    row_map = torch.where(valid, tstart[gc] + local, -1).to(torch.int32)
-    return row_map, torch.cat([zero, tend]).to(torch.int32), torch.cat([zero, pend]).to(torch.int32)
+    return torch.where(valid, tstart[gc] + local, -1).to(torch.int32)
 
 
 def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | None, torch.Tensor]:
@@ -134,25 +132,25 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
     return host, torch.tensor(host, dtype=torch.int64)
 
 
-def _row_table(
-    host: list[int] | None, sizes: torch.Tensor, align: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(offsets, padded offsets, padded sizes) int32 on ``device``: from host sizes in one
-    pinned copy, from device sizes in one launch (``padded_row_table``)."""
+def _check_align(align: Any, block_size: int) -> None:
+    if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:
+        raise InvalidArgumentError("align", align, f"a positive multiple of block_size={block_size}")
+
+
+def _row_layout(
+    host: list[int] | None, sizes: torch.Tensor, rows: int, align: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | torch.Tensor, int]:
+    """(offsets, padded offsets, padded sizes, padded rows) of ``rows`` token rows in groups
+    of ``sizes`` padded to ``align``; the offsets (G + 1,) int32 on ``device``.
+    Host sizes: the padded sizes as a list, the rows exact, the offsets in one pinned copy.
+    Device sizes: one launch (``padded_row_table``), and the rows the bound
+    ``rows + G * (align - 1)`` rounded up to ``align`` (no sync; its tail is zero rows)."""
     if host is None:
-        return padded_row_table(sizes, align)
+        offsets, padded_offsets, padded = padded_row_table(sizes, align)
+        return offsets, padded_offsets, padded, -(-(rows + sizes.numel() * (align - 1)) // align) * align
     padded = [-(-s // align) * align for s in host]
-    table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded), *padded], device)
-    groups = len(host)
-    return table[: groups + 1], table[groups + 1 : 2 * groups + 2], table[2 * groups + 2 :]
-
-
-def _padded_total(host: list[int] | None, rows: int, groups: int, align: int) -> int:
-    """Rows of the padded layout: exact for host sizes; for device sizes the bound
-    ``rows + groups * (align - 1)`` rounded up to ``align`` (no sync), its tail zero rows."""
-    if host is not None:
-        return sum(-(-s // align) * align for s in host)
-    return -(-(rows + groups * (align - 1)) // align) * align
+    table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded)], device)
+    return table[: len(host) + 1], table[len(host) + 1 :], padded, sum(padded)
 
 
 def padded_row_offsets(
@@ -163,8 +161,7 @@ def padded_row_offsets(
     padded to multiples of ``align``, on ``device`` (a CUDA / ROCm GPU: one launch for
     device splits, one copy for host ones), and the padded layout's row count. For kernels
     that quantize token rows per group themselves (the MX wgrad operands)."""
-    if isinstance(align, bool) or not isinstance(align, int) or align < BLOCK_SIZE or align % BLOCK_SIZE:
-        raise InvalidArgumentError("align", align, f"a positive multiple of {BLOCK_SIZE}")
+    _check_align(align, BLOCK_SIZE)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise InvalidArgumentError("rows", rows, "a non-negative int (the token rows the splits cover)")
     try:
@@ -172,8 +169,8 @@ def padded_row_offsets(
     except (RuntimeError, TypeError) as exc:
         raise InvalidArgumentError("device", device, "a torch.device or a device string such as 'cuda'") from exc
     host, sizes = _sizes(m_splits, rows, device)
-    offsets, padded_offsets, _ = _row_table(host, sizes, align, device)
-    return offsets, padded_offsets, _padded_total(host, rows, sizes.numel(), align)
+    offsets, padded_offsets, _, padded_rows = _row_layout(host, sizes, rows, align, device)
+    return offsets, padded_offsets, padded_rows
 
 
 def quantize_mx_rows(
@@ -194,23 +191,17 @@ def quantize_mx_rows(
     scale_rule = scale_rule_name(scale_rule)
     if t.dim() != 2:
         raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")
-    if isinstance(align, bool) or not isinstance(align, int) or align < block_size or align % block_size:
-        raise InvalidArgumentError("align", align, f"a positive multiple of block_size={block_size}")
+    _check_align(align, block_size)
     host, sizes = _sizes(m_splits, t.shape[0], t.device)
-    total = _padded_total(host, t.shape[0], sizes.numel(), align)
-    padded_splits: list[int] | torch.Tensor
+    offsets, padded_offsets, padded_splits, total = _row_layout(host, sizes, t.shape[0], align, t.device)
     if t.device.type == "cuda":  # CUDA and ROCm: the fused kernel finds each row's group itself
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
-        offsets, padded_offsets, padded_splits = _row_table(host, sizes, align, t.device)
         tensor = triton_quantizer.quantize_rows(t, offsets, padded_offsets, total, FORMATS[fmt], scale_rule, block_size)
     else:
-        row_map, offsets, padded_offsets = _build_row_map(sizes, total, align)
+        row_map = _build_row_map(sizes, total, align)
         source = t if t.shape[0] else t.new_zeros(1, t.shape[1])
         gathered = torch.where((row_map >= 0).unsqueeze(1), source[row_map.clamp(min=0).long()], 0)
         tensor = torch_quantizer.quantize(gathered, FORMATS[fmt], 0, scale_rule, block_size, 0)
-        padded_splits = torch.diff(padded_offsets)
-    if host is not None:
-        padded_splits = [-(-s // align) * align for s in host]
     # Host sizes as the private list: the caller's list may change after this call.
     return MXRows(tensor, host if host is not None else m_splits, padded_splits, offsets, padded_offsets, align)
