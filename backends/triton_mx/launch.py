@@ -37,6 +37,7 @@ from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.inputs import host_sizes
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.mx.triton_kernels import group_search_steps
 from grouped_gemm.triton_launcher import CachedLauncher, Constexprs, cdiv
 
 # One cached launcher per kernel (grouped_gemm/triton_launcher.py: the host-time saving per launch).
@@ -661,7 +662,7 @@ def quantize_decode_rows(
     groups = padded_starts.numel() - 1
     if rows and cols:
         tile, constexprs = _quantize_decode_plan(
-            interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile, groups.bit_length()
+            interpreted(), ptx_decode(device), fmt, scale_rule, dtype, device, tile, group_search_steps(groups)
         )
         src = x.contiguous()
         src = src.view(torch.int16) if dtype == torch.bfloat16 else src

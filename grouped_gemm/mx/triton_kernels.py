@@ -165,6 +165,12 @@ def quantize_last(
     )
 
 
+def group_search_steps(groups: int) -> int:
+    """``group_rows``' ``SEARCH_STEPS`` for ``groups`` groups: halvings that reach every
+    index 0..groups of the padded starts (2**steps > groups)."""
+    return groups.bit_length()
+
+
 @triton.jit
 def group_rows(starts_ptr, padded_starts_ptr, groups, block_row, SEARCH_STEPS: tl.constexpr):
     """(source row offset, row limit) of the padded 32-row blocks starting at ``block_row``:

@@ -139,12 +139,13 @@ def _launch_strided(
     block_tiles = cdiv(nblocks, tile_blocks)
     inner_tiles = cdiv(inner, tile_inner)
     grid = (outer * block_tiles * inner_tiles,)
+    count = groups[1].numel() - 1 if groups else 0
     _QUANTIZE_STRIDED(
         grid,
         x,
         groups[0] if groups else x,
         groups[1] if groups else x,
-        groups[1].numel() - 1 if groups else 0,
+        count,
         data,
         scale,
         length,
@@ -152,7 +153,7 @@ def _launch_strided(
         inner,
         block_tiles,
         inner_tiles,
-        SEARCH_STEPS=(groups[1].numel() - 1).bit_length() if groups else 0,
+        SEARCH_STEPS=triton_kernels.group_search_steps(count) if groups else 0,
         BLOCK=block_size,
         TILE_BLOCKS=tile_blocks,
         TILE_INNER=tile_inner,
