@@ -61,6 +61,31 @@ def _decode(codes, FMT: tl.constexpr, HW_E4M3: tl.constexpr):
 
 
 @triton.jit
+def quantized_values(
+    x,
+    AXIS: tl.constexpr,
+    FMT: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    RULE: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
+    NBITS: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """fp32 ``x`` whose axis ``AXIS`` is one 32-block -> each block quantized to ``FMT``
+    with the MX quantizer's own helpers and decoded, ``decode(code) * 2^exp`` in fp32 (exact):
+    the values ``gg.quantize_mx`` then ``MXTensor.dequantize`` give, before the one rounding
+    to the result's dtype. Written once for the quantize-and-decode passes and the upcast
+    kernel's fused activations."""
+    inv_scale, _, scale_bytes = block_scales(block_amax(x, AXIS, -1), RULE, EMAX, MAX_MANT, MBITS)
+    code = encode(x * tl.expand_dims(inv_scale, AXIS), MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
+    return _decode(code, FMT, HW_E4M3) * tl.expand_dims(e8m0_to_fp32(scale_bytes), AXIS)
+
+
+@triton.jit
 def dequant_kernel(
     D,
     stride_d,
@@ -156,10 +181,7 @@ def quantize_decode_kernel(
     c = blk[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     row_ok = (r < rows)[:, None, None]
     x = widen(tl.load(X + r64 * stride_x + c, mask=row_ok & (c < cols), other=0), BF16_BITS)
-    inv_scale, _, scale_bytes = block_scales(block_amax(x, 2, -1), RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[:, :, None], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    scale = e8m0_to_fp32(scale_bytes)
-    values = _decode(code, FMT, HW_E4M3) * scale[:, :, None]
+    values = quantized_values(x, 2, FMT, HW_E4M3, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     tl.store(Out + r64 * stride_o + c, narrow(values, Out.dtype.element_ty, INTERP), mask=row_ok & (c < cols))
 
 
@@ -204,9 +226,7 @@ def quantize_decode_rows_kernel(
     ok = ((p < limit) & (src >= 0) & (src < rows))[:, None] & (c < cols)  # bad device splits: no access
     src = src[:, None]
     x = widen(tl.load(X + src * stride_x + c, mask=ok, other=0), BF16_BITS)
-    inv_scale, _, scale_bytes = block_scales(block_amax(x, 0, -1), RULE, EMAX, MAX_MANT, MBITS)
-    code = encode(x * inv_scale[None, :], MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
-    values = _decode(code, FMT, HW_E4M3) * e8m0_to_fp32(scale_bytes)[None, :]
+    values = quantized_values(x, 0, FMT, HW_E4M3, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE)
     tl.store(Out + src * stride_o + c, narrow(values, Out.dtype.element_ty, INTERP), mask=ok)
 
 
