@@ -91,6 +91,8 @@ def _compile(
     stages: int,
     maxnreg: int | None = None,
 ):
+    # Constexprs left out take their defaults, as a launch binds them.
+    const = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | const
     sig = {n: "i32" for n in kernel.arg_names}
     sig.update(pointers)
     sig.update({n: "constexpr" for n in const})
@@ -335,7 +337,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
     N = K = 4096) but ``NUM_PROGS``, which follows the device's SMs: an H200's here."""
     m = mean_rows * TMA_GROUPS
     config = upcast_config(m, TMA_GROUPS, w_fmt)
-    _, plan, _, (big, small) = _upcast_plan(
+    _, plan, _, (big, small), _ = _upcast_plan(
         interp=False,
         ptx=True,
         m=m,
@@ -380,6 +382,40 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
     pipe["ok"] = pipe["ok"] and pipe["ptx_bulk_tensor"] > 0 and pipe["prologue_tma"] > 0 and pipe["loop_tma"] > 0
     row["ok"] = row["ok"] and pipe["ok"] and row["regs"] <= 255 and row["spills"] == 0
     return _with_smem_estimate(row, c, config, w_fmt)
+
+
+def _upcast_fused(w_fmt: str, a_fmt: str, mean_rows: int) -> dict:
+    """The default decode tile at ``mean_rows`` a group (pointer loads) quantizing its bf16
+    activations itself, with the constexprs ``launch._upcast_plan`` gives an MX route's
+    launch: wgmma with the weight pipelined as before and nothing spilled. Its ``STS`` are
+    the quantized activation slab's stores (wgmma's right operand is read from shared
+    memory), so the row does not hold them to zero."""
+    m = mean_rows * TMA_GROUPS
+    config = upcast_config(m, TMA_GROUPS, w_fmt)
+    *_, fused = plan_args = _upcast_plan(
+        False, True, m, TMA_GROUPS, w_fmt, 4096, 4096, True, torch.device("cpu"), None, (a_fmt, "rceil")
+    )
+    kwargs = plan_args[1].replace(NUM_PROGS=SMS * config.per_sm).kwargs
+    if not fused or kwargs["TMA"]:
+        raise RuntimeError(f"{w_fmt} at {mean_rows} rows a group: not a fused pointer-load tile ({config})")
+    const = {n: v for n, v in kwargs.items() if n not in OPTIONS}
+    pointers = {"A": "*bf16", "A_SMALL": "*bf16", "W": "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"}
+    c = _compile(
+        upcast_grouped_kernel,
+        pointers,
+        const,
+        TARGETS["sm_90"],
+        warps=kwargs["num_warps"],
+        stages=kwargs["num_stages"],
+        maxnreg=kwargs["maxnreg"],
+    )
+    name = (
+        f"quantizing upcast {w_fmt} BM={config.bm} SMALL={config.small} stages={config.stages}, {a_fmt} "
+        f"activations (default at {mean_rows} rows a group)"
+    )
+    row = _sm90_row(c, name, _narrow_copies_max(config.blocks))
+    row["ok"] = row["counts"]["HGMMA"] > 0 and row["pipeline"]["ok"] and row["spills"] == 0
+    return row
 
 
 def _prep(fmt: str, op: str) -> dict:
@@ -501,6 +537,7 @@ def main() -> None:
         _upcast("e2m1", True, 16, 4, ptx=False),
         _upcast("e4m3", True, 16, 4, ptx=False),
         *(_upcast_tma(fmt, rows) for fmt, rows in _tma_defaults()),
+        *(_upcast_fused(w, a, rows) for w, a in (("e4m3", "e4m3"), ("e2m1", "e2m1")) for rows in (2, 16)),
         _wgrad("sm_90", "bf16", "bf16"),
         *(_wgrad("sm_90", "bf16", "bf16", c) for c in wgrad_configs() if c.per_sm > 1 and c.bn * c.bk < 128 * 128),
         *(_prep(fmt, op) for fmt in ("e2m1", "e4m3") for op in ("fwd", "dgrad")),

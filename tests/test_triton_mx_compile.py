@@ -90,6 +90,18 @@ def test_4_warp_upcast_tiles_never_round_trip(rows):
     assert small and all(r["counts"]["STS"] + r["counts"]["STSM"] == 0 for r in small)
 
 
+def test_quantizing_decode_tiles_store_only_their_activations(rows):
+    """The decode tiles that quantize their bf16 activations (``launch_upcast(quantize=...)``)
+    store only the quantized slab to shared memory for wgmma's right operand, two 16-byte
+    stores a thread per 16 rows (the weight stays in registers: no ``STSM``), and spill
+    nothing, in both formats."""
+    fused = [r for r in rows if r["kernel"].startswith("quantizing upcast")]
+    assert {r["kernel"].split()[2] for r in fused} == {"e2m1", "e4m3"}, [r["kernel"] for r in fused]
+    for r in fused:
+        rows_high = int(r["kernel"].split("BM=")[1].split()[0])
+        assert r["counts"]["STSM"] == 0 and 0 < r["counts"]["STS"] <= rows_high // 8 and r["spills"] == 0, r
+
+
 def test_four_block_e2m1_words_copy_in_16_byte_pieces(rows):
     """At four blocks a step the E2M1 words of a (row, q) are one 16-byte copy; a step
     offset Triton cannot see is a multiple of four made them four 4-byte copies and the

@@ -654,6 +654,100 @@ def test_gpu_quantize_decode_equals_quantize_then_decode(fmt, gen):
         _assert_bit_identical(launch.quantize_decode(x, fmt, rule), want)
 
 
+# ---- the same inside the upcast GEMM (launch_upcast(quantize=...)) -------------------------
+
+
+def _upcast_layout(fmt, w):
+    wq = quantize_mx_weight(w, fmt)
+    return layouts_e4m3.upcast_weight_e4m3(wq) if fmt == "e4m3" else layouts.upcast_weight(wq)
+
+
+def _fused_and_two_pass(x, lay, splits, a_fmt, rule, config, device="cpu"):
+    """(one launch quantizing x inside the GEMM, quantize_decode then the GEMM), outputs poisoned."""
+    sizes = torch.tensor(splits, dtype=torch.int32, device=device)
+    out = (x.shape[0], lay.rows)
+    two = launch.launch_upcast(
+        launch.quantize_decode(x, a_fmt, rule), lay, sizes, poison(torch.empty(out, device=device)), len(splits), config
+    )
+    one = launch.launch_upcast(
+        x, lay, sizes, poison(torch.empty(out, device=device)), len(splits), config, quantize=(a_fmt, rule)
+    )
+    return one, two
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("w_fmt", "a_fmt", "rule", "tma"),
+    [
+        ("e2m1", "e2m1", "rceil", 1),
+        ("e4m3", "e4m3", "floor", 0),
+        ("e2m1", "e4m3", "even", 0),
+        ("e4m3", "e5m2", "rceil", 1),
+    ],
+)
+def test_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, rule, tma, gen):
+    """A decode tile that quantizes its activations writes bit for bit what the separate
+    quantize-and-decode pass then the same tile writes: every format pair and rule, ragged
+    two-height splits with an empty group, blocks of NaN / Inf / zeros / bf16 subnormals,
+    pointer and TMA loads, a ragged contraction (160: a step half past the end)."""
+    splits, n, k = [3, 17, 0, 40], 64, 160
+    lay = _upcast_layout(w_fmt, torch.randn(len(splits), n, k, generator=gen))
+    config = launch.UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1, small=16, tma=tma)
+    one, two = _fused_and_two_pass(
+        _activation((sum(splits), k), torch.bfloat16, gen, tiny=True), lay, splits, a_fmt, rule, config
+    )
+    assert torch.isfinite(two[5:]).all(), "unwritten (NaN-poisoned) rows"
+    _assert_bit_identical(one, two)
+
+
+@needs_interpreter
+def test_tall_upcast_tile_quantizes_activations_in_a_pass_of_its_own(gen, monkeypatch):
+    """A tile taller than ``FUSED_MAX_BM`` given ``quantize`` runs the quantize-and-decode pass
+    first (the same bits as the caller running it), and a decode tile does not."""
+    splits, n, k = [40, 0, 9], 64, 128
+    lay = _upcast_layout("e4m3", torch.randn(len(splits), n, k, generator=gen))
+    x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
+    passes = []
+    real = launch.quantize_decode
+    monkeypatch.setattr(launch, "quantize_decode", lambda *args, **kw: passes.append(1) or real(*args, **kw))
+    for bm, separate in ((64, True), (32, False)):
+        config = launch.UpcastConfig(bm=bm, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
+        passes.clear()
+        one = launch.launch_upcast(
+            x, lay, torch.tensor(splits), poison(torch.empty(x.shape[0], n)), 3, config, ("e4m3", "rceil")
+        )
+        assert len(passes) == separate
+        two = launch.launch_upcast(
+            real(x, "e4m3", "rceil"), lay, torch.tensor(splits), poison(torch.empty(x.shape[0], n)), 3, config
+        )
+        _assert_bit_identical(one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("w_fmt", "a_fmt"), [("e2m1", "e2m1"), ("e4m3", "e4m3"), ("e2m1", "e4m3"), ("e4m3", "e5m2")])
+def test_gpu_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, gen):
+    """On the GPU, the default decode tiles (2 and 16 rows a group, skewed, an empty group)
+    quantizing their activations write bit for bit what the two-pass route writes, and
+    match float64 on the quantized operands."""
+    device = torch.device("cuda")
+    n, k = 512, 2048
+    for rows in (2, 16):
+        splits = [0, *gg.skewed_splits(31, 31 * rows)]
+        w = torch.randn(len(splits), n, k, generator=gen).to(device)
+        lay = _upcast_layout(w_fmt, w)
+        x = _activation((sum(splits), k), torch.bfloat16, gen, device, tiny=True)
+        one, two = _fused_and_two_pass(x, lay, splits, a_fmt, "rceil", None, device)
+        _assert_bit_identical(one, two)
+        x = torch.randn(sum(splits), k, generator=gen).to(device, torch.bfloat16)
+        one, _ = _fused_and_two_pass(x, lay, splits, a_fmt, "rceil", None, device)
+        want = ref_fwd(
+            quantize_mx(x, a_fmt, axis=-1, scale_rule="rceil").dequantize().cpu(),
+            quantize_mx_weight(w, w_fmt).dequantize().cpu(),
+            splits,
+        )
+        assert sqnr_db(one.cpu(), want) >= MIN_SQNR
+
+
 # ---- the same along the tokens per group, rows kept in place (launch.quantize_decode_rows) --
 
 

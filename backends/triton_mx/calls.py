@@ -68,9 +68,10 @@ def run(problem: Problem, inputs: GroupedInputs, config: Mapping[str, Any] | Non
         act = operands.activation(problem, inputs.a, name)
         w = operands.weight(problem, inputs.b)
         return launch.launch_scaled(act, w, splits, out, problem.groups, scaled_tiles)
-    act = operands.decoded_activation(problem, inputs.a, name)
+    quantize = operands.activation_quantizer(problem, inputs.a)
+    act = inputs.a if quantize else operands.decoded_activation(problem, inputs.a, name)
     w_up = operands.upcast_weight(problem, inputs.b)
-    return launch.launch_upcast(act, w_up, splits, out, problem.groups, upcast_tiles)
+    return launch.launch_upcast(act, w_up, splits, out, problem.groups, upcast_tiles, quantize)
 
 
 def _wgrad(problem: Problem, inputs: GroupedInputs, tiles: launch.WgradConfig | None) -> torch.Tensor:

@@ -271,14 +271,18 @@ def _upcast_plan(
     small_scales: bool,
     device: torch.device,
     config: UpcastConfig | None,
-) -> tuple[int, Constexprs, Constexprs | None, tuple[list[int], list[int]]]:
+    quantize: tuple[str, str] | None = None,
+) -> tuple[int, Constexprs, Constexprs | None, tuple[list[int], list[int]], bool]:
     """(programs, constexprs and options, the same with the activations' TMA off where the
     tile asks for it (for an activation TMA cannot describe; else None), the activation
-    blocks of the ``bm``- and ``small``-row tiles) of an upcast launch, worked out once per
+    blocks of the ``bm``- and ``small``-row tiles, ``fused``) of an upcast launch, worked out once per
     shape and tile and then looked up (a dozen calls and a dict otherwise: ~3.5 us of host
     time a launch on the dev CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()``
-    and ``ptx_decode``, which tests and probes switch."""
+    and ``ptx_decode``, which tests and probes switch. ``quantize`` (format, scale rule)
+    goes into the constexprs where the tile quantizes the activations itself (at most
+    ``FUSED_MAX_BM`` rows, ``launch_upcast``); the plan's ``fused`` says whether it does."""
     cfg = config or upcast_config(m, groups, w_fmt)
+    fused = quantize is not None and cfg.bm <= FUSED_MAX_BM
     if w_fmt == "e4m3" and cfg.blocks != 4:
         raise InvalidArgumentError("config", cfg, "blocks=4 for E4M3 weights (its layout is read four blocks a step)")
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
@@ -303,8 +307,23 @@ def _upcast_plan(
         num_warps=cfg.warps,
         num_stages=cfg.stages,
         maxnreg=cfg.max_registers(),
+        **(_activation_quantizer(quantize, device) if fused else {}),
     )
-    return programs, constexprs, constexprs.replace(TMA=False) if constexprs.kwargs["TMA"] else None, blocks
+    without_tma = constexprs.replace(TMA=False) if constexprs.kwargs["TMA"] else None
+    return programs, constexprs, without_tma, blocks, fused
+
+
+def _activation_quantizer(quantize: tuple[str, str], device: torch.device) -> dict[str, Any]:
+    """The upcast kernel's constexprs for activations it quantizes itself: the format, then
+    the quantizer's for bf16 input (the kernel reinterprets the loaded bf16 as its bits)."""
+    fmt, rule = quantize
+    constants = triton_quantizer.format_constants(torch.int16, device, FORMATS[fmt], rule)
+    del constants["BF16_BITS"]
+    return {"A_FMT": fmt, **constants}
+
+
+#: The tallest row tile that quantizes its activations itself (``launch_upcast``).
+FUSED_MAX_BM = 32
 
 
 def launch_upcast(
@@ -314,11 +333,20 @@ def launch_upcast(
     out: torch.Tensor,
     groups: int,
     config: UpcastConfig | None = None,
+    quantize: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """``out[rows of g] = a[rows of g] @ W_g^T`` with bf16 ``a`` and an upcast-layout weight;
-    the activations through tensor descriptors when the config asks and ``describable(a)``."""
+    the activations through tensor descriptors when the config asks and ``describable(a)``.
+
+    With ``quantize`` (format, scale rule), ``a``'s rows are first quantized per 32-block
+    and decoded: the result is ``launch_upcast(quantize_decode(a, *quantize), ...)`` bit for
+    bit. Tiles of at most ``FUSED_MAX_BM`` rows (the decode tiles) do it on the slabs they
+    load, in one launch: there the second launch is much of the call's host time (issue 14)
+    and a slab is small beside its weight tile. Taller tiles take the separate pass: they
+    would repeat the quantization of a large slab for every weight column tile, and the
+    256-row tile spills registers with it (Triton 3.6, sm_90)."""
     device = a.device  # each read builds a torch.device: once per launch
-    programs, constexprs, without_tma, blocks = _upcast_plan(
+    programs, constexprs, without_tma, blocks, fused = _upcast_plan(
         interpreted(),
         ptx_decode(device),
         a.shape[0],
@@ -329,7 +357,10 @@ def launch_upcast(
         w.small_scales,
         device,
         config,
+        quantize,
     )
+    if quantize is not None and not fused:
+        a = quantize_decode(a, *quantize)
     a_big = a_small = a
     if without_tma is not None:
         if describable(a):

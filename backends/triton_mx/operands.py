@@ -74,6 +74,16 @@ def decoded_activation(problem: Problem, a: torch.Tensor | MXTensor, name: str) 
     return launch.quantize_decode(a, fmt, problem.scale_rule)
 
 
+def activation_quantizer(problem: Problem, a: torch.Tensor | MXTensor) -> tuple[str, str] | None:
+    """(format, scale rule) with which the sm_90 upcast launch quantizes and decodes fwd's x
+    / dgrad's dy itself (``launch.launch_upcast``): a bf16 tensor under a recipe that
+    quantizes it. None otherwise: ``decoded_activation`` prepares it."""
+    fmt = lhs_format(problem)
+    if fmt is None or type(a) is not torch.Tensor or a.dtype != torch.bfloat16:
+        return None
+    return fmt, problem.scale_rule
+
+
 def weight(problem: Problem, w: torch.Tensor | MXTensor, fmt: str | None = None) -> MXTensor:
     """The (G, N, K) weight in the recipe's format (E2M1 or E4M3; ``fmt``, where the caller
     has it already) blocked along K (fwd) or N (dgrad)."""

@@ -34,8 +34,10 @@ from grouped_gemm.backends.triton_mx.decode import (
     e8m0_to_bf16x2,
     narrow,
 )
+from grouped_gemm.backends.triton_mx.dequant_kernel import quantized_values
 from grouped_gemm.backends.triton_mx.schedule import group_table, locate_first
 from grouped_gemm.backends.triton_mx.weight_prep_kernel import E4M3_HIGH_WORDS, layout_word
+from grouped_gemm.mx.triton_kernels import widen
 
 
 @triton.jit
@@ -78,6 +80,18 @@ def _by_block(words):
 
 
 @triton.jit
+def _quantized_activations(x, BLOCKS: tl.constexpr, INTERP: tl.constexpr, A_FMT: tl.constexpr, QUANT):
+    """The (32 * BLOCKS, rows) bf16 activation slab (contraction along axis 0) with each
+    row's 32-blocks quantized to the recipe's format and decoded (``QUANT``: the format, then
+    ``quantized_values``' constexprs): the values ``quantize_decode_kernel`` would have
+    written, from registers instead of a pass of their own."""
+    rows: tl.constexpr = x.shape[1]
+    v = widen(x.to(tl.int16, bitcast=True), True).reshape(BLOCKS, 32, rows)
+    v = quantized_values(v, 1, A_FMT, *QUANT)
+    return narrow(v, tl.bfloat16, INTERP).reshape(32 * BLOCKS, rows)
+
+
+@triton.jit
 def _step(
     acc,
     k,
@@ -97,6 +111,8 @@ def _step(
     W_FMT: tl.constexpr,
     TMA: tl.constexpr,
     INTERP: tl.constexpr,
+    A_FMT: tl.constexpr,
+    QUANT,
 ):
     """One contraction step of 32 * BLOCKS elements (BLOCKS 2 or 4, inside one 128-run and
     so inside the zero-padded layout): decode the weight tile in registers, load the
@@ -145,6 +161,8 @@ def _step(
         kk = k + tl.arange(0, BK)
         x_ok = m_ok[None, :] if EVEN_K else m_ok[None, :] & (kk < k_red)[:, None]
         x = tl.load(a_src[None, :] + kk[:, None], mask=x_ok, other=0.0)
+    if A_FMT != "":
+        x = _quantized_activations(x, BLOCKS, INTERP, A_FMT, QUANT)
     return bf16_dot(w, x, acc, INTERP)
 
 
@@ -187,6 +205,30 @@ def _tile(
 
 
 @triton.jit
+def _tile_of_height(
+    A,
+    A_SMALL,
+    stride_am,
+    tail,
+    count,
+    BM: tl.constexpr,
+    SMALL: tl.constexpr,
+    BK: tl.constexpr,
+    config,
+    TMA: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``_tile`` with ``SMALL``-row tiles (``A_SMALL``) for a group of at most ``SMALL`` rows
+    where the kernel has two heights, ``BM``-row tiles (``A``) otherwise."""
+    if SMALL == 0:
+        _tile(A, stride_am, *tail, BM, BK, config, TMA, INTERP)
+    elif count <= SMALL:
+        _tile(A_SMALL, stride_am, *tail, SMALL, BK, config, TMA, INTERP)
+    else:
+        _tile(A, stride_am, *tail, BM, BK, config, TMA, INTERP)
+
+
+@triton.jit
 def upcast_grouped_kernel(
     A,
     stride_am,
@@ -216,6 +258,15 @@ def upcast_grouped_kernel(
     W_FMT: tl.constexpr,
     TMA: tl.constexpr,
     INTERP: tl.constexpr,
+    A_FMT: tl.constexpr = "",
+    RULE: tl.constexpr = 0,
+    EMAX: tl.constexpr = 0,
+    MAX_MANT: tl.constexpr = 0,
+    MBITS: tl.constexpr = 0,
+    BIAS: tl.constexpr = 0,
+    MAX_VALUE: tl.constexpr = 0.0,
+    NBITS: tl.constexpr = 0,
+    NATIVE: tl.constexpr = False,
 ):
     """``NUM_PROGS`` programs walk the tiles of all groups, every ``NUM_PROGS``-th each.
     With ``SMALL`` set, a group of at most ``SMALL`` rows gets ``SMALL``-row tiles and larger
@@ -235,19 +286,27 @@ def upcast_grouped_kernel(
         tail = (w_rows, stride_wr, s_rows, stride_sk, Out, stride_om, start, count, row0, rn, n_ok, k_red)
         # The step's constexprs go as a tuple literal: a tuple bound to a name would be
         # converted to tensors, which W_FMT (a string) cannot be.
-        if SMALL == 0:
-            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP), TMA, INTERP)
-        elif count <= SMALL:
-            _tile(
-                A_SMALL,
-                stride_am,
-                *tail,
-                SMALL,
-                BK,
-                (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP),
+        _tile_of_height(
+            A,
+            A_SMALL,
+            stride_am,
+            tail,
+            count,
+            BM,
+            SMALL,
+            BK,
+            (
+                BLOCKS,
+                EVEN_K,
+                PTX,
+                FOLD,
+                W_FMT,
                 TMA,
                 INTERP,
-            )
-        else:
-            _tile(A, stride_am, *tail, BM, BK, (BLOCKS, EVEN_K, PTX, FOLD, W_FMT, TMA, INTERP), TMA, INTERP)
+                A_FMT,
+                (PTX, RULE, EMAX, MAX_MANT, MBITS, BIAS, MAX_VALUE, NBITS, NATIVE),
+            ),
+            TMA,
+            INTERP,
+        )
         t += NUM_PROGS
