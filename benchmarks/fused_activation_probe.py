@@ -1,0 +1,103 @@
+"""Where the upcast kernel should quantize its activations itself: H200 / H100 experiments.
+
+The sm_90 MX routes (mxfp8, mxfp4, a8w4) quantize-and-decode the bf16 activations in a pass
+of their own (``launch.quantize_decode``) before the upcast GEMM: a second launch, about
+20 us of host time per call on the GPU host (docs/performance.md, issue 14). With
+``launch_upcast(..., quantize=(fmt, rule))`` the GEMM does it on its loaded activation
+slabs instead, once per weight column tile: no second launch, no decoded copy written and
+read back, but the quantization repeated for every column tile of the weight.
+
+For each case and split this times, kernel alone (``triton.testing.do_bench``, L2 flushed
+between calls), the two-launch route, the fused launch and ``torch._grouped_mm`` bf16 on
+the same problem, interleaved over rounds, with the default tile, after checking the two
+routes write the same bits. Where the fused launch is no slower, the MX routes can take it
+and drop a launch.
+
+    python benchmarks/fused_activation_probe.py [--cases NAMES] [--rows-per-group R,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+from triton.testing import do_bench
+
+import grouped_gemm as gg
+from grouped_gemm.backends.triton_mx import launch, layouts, layouts_e4m3
+from grouped_gemm.bench.shapes import select_cases
+from grouped_gemm.mx import quantize_mx_weight
+
+#: (activation format, weight format) of each recipe timed.
+RECIPES = {"mxfp8": ("e4m3", "e4m3"), "mxfp4": ("e2m1", "e2m1")}
+DECODE = "dsv3_gateup_decode,qwen3_30b_gateup_decode,gptoss120b_gateup_decode"
+
+
+def _layout(fmt: str, w: torch.Tensor) -> layouts.UpcastWeight:
+    wq = quantize_mx_weight(w, fmt)
+    return layouts_e4m3.upcast_weight_e4m3(wq) if fmt == "e4m3" else layouts.upcast_weight(wq)
+
+
+def _problem(case, kind: str, rounds: int) -> list[dict]:
+    splits = case.splits(kind)
+    g, m, n, k = case.groups, sum(splits), case.n, case.k
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    sizes = torch.tensor(splits, device="cuda", dtype=torch.int32)
+    offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    wt = w.transpose(1, 2)
+    calls = {"torch._grouped_mm": lambda: torch._grouped_mm(x, wt, offs=offs)}
+    for recipe, (a_fmt, w_fmt) in RECIPES.items():
+        lay = _layout(w_fmt, w)
+        two = launch.launch_upcast(launch.quantize_decode(x, a_fmt, "rceil"), lay, sizes, out, g).clone()
+        one = launch.launch_upcast(x, lay, sizes, out.fill_(float("nan")), g, quantize=(a_fmt, "rceil"))
+        if not torch.equal(one, two):
+            print(f"{case.name} {kind} {recipe}: fused != two launches (max |diff| {(one - two).abs().max()})")
+        calls[f"{recipe} two launches"] = lambda lay=lay, a_fmt=a_fmt: launch.launch_upcast(
+            launch.quantize_decode(x, a_fmt, "rceil"), lay, sizes, out, g
+        )
+        calls[f"{recipe} fused"] = lambda lay=lay, a_fmt=a_fmt: launch.launch_upcast(
+            x, lay, sizes, out, g, quantize=(a_fmt, "rceil")
+        )
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        names = list(calls)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(do_bench(calls[name], warmup=10, rep=40) * 1e3)
+    peer = min(times["torch._grouped_mm"])
+    rows = []
+    for name, t in times.items():
+        best = min(t)
+        row = {"case": case.name, "splits": kind, "call": name, "us": round(best, 2), "x_peer": round(peer / best, 3)}
+        rows.append(row)
+        print(f"{case.name:32s} {kind:9s} {name:22s} {best:9.1f} us {peer / best:6.2f}x peer", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=DECODE, help="cases of moe_shapes.json (default: the decode ones)")
+    parser.add_argument("--rows-per-group", default=None, help="each case at these token counts per group")
+    parser.add_argument("--splits", default="balanced,skewed")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON file for the rows")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} grouped_gemm {gg.__version__}")
+    rows = []
+    for case in select_cases(args.cases, rows_per_group=args.rows_per_group):
+        for kind in args.splits.split(","):
+            rows += _problem(case, kind, args.rounds)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
