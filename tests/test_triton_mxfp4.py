@@ -701,26 +701,32 @@ def test_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, rule, tma
 
 
 @needs_interpreter
-def test_tall_upcast_tile_quantizes_activations_in_a_pass_of_its_own(gen, monkeypatch):
-    """A tile taller than ``FUSED_MAX_BM`` given ``quantize`` runs the quantize-and-decode pass
-    first (the same bits as the caller running it), and a decode tile does not."""
+def test_large_upcast_launch_quantizes_activations_in_a_pass_of_its_own(gen, monkeypatch):
+    """Given ``quantize``, a tile taller than ``FUSED_MAX_BM``, or a weight of more than
+    ``FUSED_MAX_WEIGHT`` elements, runs the quantize-and-decode pass first (the same bits as
+    the caller running it); a decode tile on a weight within the limit does not."""
     splits, n, k = [40, 0, 9], 64, 128
     lay = _upcast_layout("e4m3", torch.randn(len(splits), n, k, generator=gen))
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
+    sizes = torch.tensor(splits)
     passes = []
     real = launch.quantize_decode
     monkeypatch.setattr(launch, "quantize_decode", lambda *args, **kw: passes.append(1) or real(*args, **kw))
-    for bm, separate in ((64, True), (32, False)):
-        config = launch.UpcastConfig(bm=bm, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
-        passes.clear()
-        one = launch.launch_upcast(
-            x, lay, torch.tensor(splits), poison(torch.empty(x.shape[0], n)), 3, config, ("e4m3", "rceil")
-        )
-        assert len(passes) == separate
-        two = launch.launch_upcast(
-            real(x, "e4m3", "rceil"), lay, torch.tensor(splits), poison(torch.empty(x.shape[0], n)), 3, config
-        )
-        _assert_bit_identical(one, two)
+    weight = len(splits) * lay.rows * lay.k_red
+    try:
+        for bm, limit, separate in ((64, weight, True), (32, weight, False), (32, weight - 1, True)):
+            monkeypatch.setattr(launch, "FUSED_MAX_WEIGHT", limit)
+            launch._upcast_plan.cache_clear()  # plans are looked up: the limits are read when one is made
+            config = launch.UpcastConfig(bm=bm, bn=64, blocks=4, warps=4, stages=1, per_sm=1)
+            passes.clear()
+            one = launch.launch_upcast(x, lay, sizes, poison(torch.empty(x.shape[0], n)), 3, config, ("e4m3", "rceil"))
+            assert len(passes) == separate, (bm, limit)
+            two = launch.launch_upcast(
+                real(x, "e4m3", "rceil"), lay, sizes, poison(torch.empty(x.shape[0], n)), 3, config
+            )
+            _assert_bit_identical(one, two)
+    finally:
+        launch._upcast_plan.cache_clear()
 
 
 @pytest.mark.gpu
@@ -728,9 +734,9 @@ def test_tall_upcast_tile_quantizes_activations_in_a_pass_of_its_own(gen, monkey
 def test_gpu_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, gen):
     """On the GPU, the default decode tiles (2 and 16 rows a group, skewed, an empty group)
     quantizing their activations write bit for bit what the two-pass route writes, and
-    match float64 on the quantized operands."""
+    match float64 on the quantized operands (weights within ``FUSED_MAX_WEIGHT``)."""
     device = torch.device("cuda")
-    n, k = 512, 2048
+    n, k = 256, 1024
     for rows in (2, 16):
         splits = [0, *gg.skewed_splits(31, 31 * rows)]
         w = torch.randn(len(splits), n, k, generator=gen).to(device)

@@ -279,10 +279,10 @@ def _upcast_plan(
     shape and tile and then looked up (a dozen calls and a dict otherwise: ~3.5 us of host
     time a launch on the dev CPU, issue 14). ``interp`` and ``ptx`` key on ``interpreted()``
     and ``ptx_decode``, which tests and probes switch. ``quantize`` (format, scale rule)
-    goes into the constexprs where the tile quantizes the activations itself (at most
-    ``FUSED_MAX_BM`` rows, ``launch_upcast``); the plan's ``fused`` says whether it does."""
+    goes into the constexprs where the launch quantizes the activations itself
+    (``FUSED_MAX_BM``, ``FUSED_MAX_WEIGHT``); the plan's ``fused`` says whether it does."""
     cfg = config or upcast_config(m, groups, w_fmt)
-    fused = quantize is not None and cfg.bm <= FUSED_MAX_BM
+    fused = quantize is not None and cfg.bm <= FUSED_MAX_BM and groups * rows * k_red <= FUSED_MAX_WEIGHT
     if w_fmt == "e4m3" and cfg.blocks != 4:
         raise InvalidArgumentError("config", cfg, "blocks=4 for E4M3 weights (its layout is read four blocks a step)")
     programs = _persistent_programs(m, groups, cfg.small or cfg.bm, rows, cfg.bn, device, cfg.per_sm)
@@ -322,8 +322,16 @@ def _activation_quantizer(quantize: tuple[str, str], device: torch.device) -> di
     return {"A_FMT": fmt, **constants}
 
 
-#: The tallest row tile that quantizes its activations itself (``launch_upcast``).
+#: Where an upcast launch quantizes its activations itself (``launch_upcast``): tiles of at
+#: most ``FUSED_MAX_BM`` rows, weights of at most ``FUSED_MAX_WEIGHT`` elements (G x N x K).
+#: On the H100 (2026-12-06, ``benchmarks/fused_activation_probe.py``, the decode cases of
+#: 0.4-2.8 G elements) the fused launch's kernel took 1.00-1.07x the two launches' time
+#: for mxfp8 and 1.26-1.75x for mxfp4, while it cut the host time of a call from 53-56 to
+#: 33-34 us (``host_overhead.py``): it pays only where the kernels take a few microseconds
+#: (here, weights of at most 2**24 elements: about 5-10 us of weight reads at the copy rate),
+#: so that the call is host-bound either way.
 FUSED_MAX_BM = 32
+FUSED_MAX_WEIGHT = 1 << 24
 
 
 def launch_upcast(
@@ -340,11 +348,11 @@ def launch_upcast(
 
     With ``quantize`` (format, scale rule), ``a``'s rows are first quantized per 32-block
     and decoded: the result is ``launch_upcast(quantize_decode(a, *quantize), ...)`` bit for
-    bit. Tiles of at most ``FUSED_MAX_BM`` rows (the decode tiles) do it on the slabs they
-    load, in one launch: there the second launch is much of the call's host time (issue 14)
-    and a slab is small beside its weight tile. Taller tiles take the separate pass: they
-    would repeat the quantization of a large slab for every weight column tile, and the
-    256-row tile spills registers with it (Triton 3.6, sm_90)."""
+    bit. On small problems (``FUSED_MAX_BM``, ``FUSED_MAX_WEIGHT``) the kernel does it on the
+    slabs it loads, in one launch: there the second launch is much of the call's host time
+    (issue 14), and the kernel's extra work (each slab quantized once per weight column
+    tile) costs a few microseconds. Elsewhere the separate pass runs first: the fused kernel
+    is slower on larger weights, and the 256-row tile spills registers with it (Triton 3.6)."""
     device = a.device  # each read builds a torch.device: once per launch
     programs, constexprs, without_tma, blocks, fused = _upcast_plan(
         interpreted(),
