@@ -331,6 +331,15 @@ def _tma_defaults() -> list[tuple[str, int]]:
     return found
 
 
+def _compile_planned(kwargs: dict, a: str, a_small: str):
+    """The sm_90 upcast kernel compiled with a launch plan's constexprs and options
+    (``kwargs``), its activations typed ``a`` / ``a_small`` (pointers or descriptors)."""
+    pointers = {"A": a, "A_SMALL": a_small, "W": "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"}
+    const = {n: v for n, v in kwargs.items() if n not in OPTIONS}
+    options = {"warps": kwargs["num_warps"], "stages": kwargs["num_stages"], "maxnreg": kwargs["maxnreg"]}
+    return _compile(upcast_grouped_kernel, pointers, const, TARGETS["sm_90"], **options)
+
+
 def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
     """The default upcast tile at ``mean_rows`` a group in its TMA form, compiled with the
     constexprs and options ``launch._upcast_plan`` gives a launch (PTX decode, scales folded,
@@ -352,23 +361,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
     kwargs = plan.replace(NUM_PROGS=SMS * config.per_sm).kwargs
     if not kwargs["TMA"]:
         raise RuntimeError(f"{w_fmt} at {mean_rows} rows a group: the launch plan dropped the tile's TMA")
-    const = {n: v for n, v in kwargs.items() if n not in OPTIONS}
-    c = _compile(
-        upcast_grouped_kernel,
-        {
-            "A": f"tensordesc<bf16[{big[0]}, {big[1]}]>",
-            "A_SMALL": f"tensordesc<bf16[{small[0]}, {small[1]}]>",
-            "W": "*i32",
-            "S": "*i32",
-            "Out": "*bf16",
-            "Splits": "*i32",
-        },
-        const,
-        TARGETS["sm_90"],
-        warps=kwargs["num_warps"],
-        stages=kwargs["num_stages"],
-        maxnreg=kwargs["maxnreg"],
-    )
+    c = _compile_planned(kwargs, f"tensordesc<bf16[{big[0]}, {big[1]}]>", f"tensordesc<bf16[{small[0]}, {small[1]}]>")
     name = (
         f"upcast {w_fmt} BM={config.bm} BLOCKS={config.blocks} FOLD=True warps={config.warps} "
         f"stages={config.stages} TMA (default at {mean_rows} rows a group)"
@@ -390,25 +383,16 @@ def _upcast_fused(w_fmt: str, a_fmt: str, mean_rows: int) -> dict:
     launch: wgmma with the weight pipelined as before and nothing spilled. Its ``STS`` are
     the quantized activation slab's stores (wgmma's right operand is read from shared
     memory), so the row does not hold them to zero."""
-    m = mean_rows * TMA_GROUPS
-    config = upcast_config(m, TMA_GROUPS, w_fmt)
+    groups, n, k = 8, 1024, 1024  # a weight within ``FUSED_MAX_WEIGHT``: the launch fuses
+    m = mean_rows * groups
+    config = upcast_config(m, groups, w_fmt)
     *_, fused = plan_args = _upcast_plan(
-        False, True, m, TMA_GROUPS, w_fmt, 4096, 4096, True, torch.device("cpu"), None, (a_fmt, "rceil")
+        False, True, m, groups, w_fmt, n, k, True, torch.device("cpu"), None, (a_fmt, "rceil")
     )
     kwargs = plan_args[1].replace(NUM_PROGS=SMS * config.per_sm).kwargs
     if not fused or kwargs["TMA"]:
         raise RuntimeError(f"{w_fmt} at {mean_rows} rows a group: not a fused pointer-load tile ({config})")
-    const = {n: v for n, v in kwargs.items() if n not in OPTIONS}
-    pointers = {"A": "*bf16", "A_SMALL": "*bf16", "W": "*i32", "S": "*i32", "Out": "*bf16", "Splits": "*i32"}
-    c = _compile(
-        upcast_grouped_kernel,
-        pointers,
-        const,
-        TARGETS["sm_90"],
-        warps=kwargs["num_warps"],
-        stages=kwargs["num_stages"],
-        maxnreg=kwargs["maxnreg"],
-    )
+    c = _compile_planned(kwargs, "*bf16", "*bf16")
     name = (
         f"quantizing upcast {w_fmt} BM={config.bm} SMALL={config.small} stages={config.stages}, {a_fmt} "
         f"activations (default at {mean_rows} rows a group)"
