@@ -13,6 +13,11 @@ laid out as (K, N)): only the layout differs. ``W_FMT`` picks the weight format:
 (``layouts``: int32 words of eight codes) or E4M3 (``layouts_e4m3``: pairs of int32 words
 of four bytes at the same fragment positions, so everything but the decode is shared).
 
+With ``A_FMT`` set (and the quantizer's constexprs after it) the kernel quantizes each
+loaded activation slab to that MX format per 32-block and decodes it before the product,
+bit for bit what ``quantize_decode_kernel`` writes; the slab then goes to shared memory
+for wgmma after the arithmetic (``launch.launch_upcast`` says where this runs).
+
 With ``TMA`` the activations come through tensor descriptors instead (``A`` of ``BM``-row
 blocks, ``A_SMALL`` of ``SMALL``-row ones; sm_90 and newer): the copy engine zero-fills
 the contraction tail and rows past M, and a tile that runs into the next group's rows only
@@ -82,9 +87,9 @@ def _by_block(words):
 @triton.jit
 def _quantized_activations(x, BLOCKS: tl.constexpr, INTERP: tl.constexpr, A_FMT: tl.constexpr, QUANT):
     """The (32 * BLOCKS, rows) bf16 activation slab (contraction along axis 0) with each
-    row's 32-blocks quantized to the recipe's format and decoded (``QUANT``: the format, then
-    ``quantized_values``' constexprs): the values ``quantize_decode_kernel`` would have
-    written, from registers instead of a pass of their own."""
+    row's 32-blocks quantized to ``A_FMT`` and decoded (``QUANT``: ``quantized_values``'
+    constexprs after the format): the values ``quantize_decode_kernel`` would have written,
+    from registers instead of a pass of their own."""
     rows: tl.constexpr = x.shape[1]
     v = widen(x.to(tl.int16, bitcast=True), True).reshape(BLOCKS, 32, rows)
     v = quantized_values(v, 1, A_FMT, *QUANT)
@@ -119,7 +124,8 @@ def _step(
     activations (``a_src``: row pointers, or with ``TMA`` a descriptor read at row
     ``a_row``), accumulate ``W . a^T``. Every 32-block is decoded with its own row scales
     and the blocks are concatenated along K; loads, splits and joins all stay in the wgmma
-    operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md)."""
+    operand layout (no shared-memory round trip: docs/notes/triton_mxfp4.md). With ``A_FMT``
+    the activations are quantized and decoded after the load (``_quantized_activations``)."""
     BK: tl.constexpr = 32 * BLOCKS
     if BLOCKS == 4:
         # k is a multiple of 128, so the step starts a run: a constant 0 lets a (row, q)'s
