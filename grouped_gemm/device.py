@@ -111,6 +111,10 @@ _described: contextvars.ContextVar[tuple[list[DeviceInfo], ...]] = contextvars.C
     "grouped_gemm_described_device", default=()
 )
 _listeners: list[Callable[[], None]] = []
+#: Per torch device, the ``emulated`` scopes in force (innermost last, each a one-item list
+#: told apart by identity), and what ``_detected`` held for it before the first of them.
+_emulations: dict[torch.device, list[list[DeviceInfo]]] = {}
+_before_emulation: dict[torch.device, DeviceInfo | None] = {}
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -220,18 +224,30 @@ def emulated(chip: DeviceInfo | str, device: torch.device | str = "cpu") -> Iter
     target = torch.device(device)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
+    frame = [info]
     with _detect_lock:
-        before = _detected.get(target)
+        scopes = _emulations.setdefault(target, [])
+        if not scopes:
+            _before_emulation[target] = _detected.get(target)
+        scopes.append(frame)
         _detected[target] = info
     _changed()
     try:
         yield info
     finally:
+        # Only this scope's frame goes: a scope exited out of order leaves the others in
+        # force (the innermost one still in force decides), as ``use_device`` does.
         with _detect_lock:
-            if before is None:
-                _detected.pop(target, None)
+            scopes[:] = [f for f in scopes if f is not frame]
+            if scopes:
+                _detected[target] = scopes[-1][0]
             else:
-                _detected[target] = before
+                del _emulations[target]
+                before = _before_emulation.pop(target)
+                if before is None:
+                    _detected.pop(target, None)
+                else:
+                    _detected[target] = before
         _changed()
 
 

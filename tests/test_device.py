@@ -121,6 +121,24 @@ def test_emulated_routes_real_tensors_as_the_chip_and_restores(gen, register):
         pass
 
 
+def test_emulated_scopes_exited_out_of_order_remove_only_their_own():
+    """A scope exited before one opened inside it (an ``ExitStack`` misused, a generator
+    closed late) leaves the inner chip in force, and the last exit restores the detected
+    chip, not one whose scope is gone."""
+    cpu = torch.device("cpu")
+    detected = device_info(cpu)
+    outer, inner = emulated("gfx950"), emulated("sm_100")
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert device_info(cpu).arch == "sm_100"
+    inner.__exit__(None, None, None)
+    assert device_info(cpu) is detected
+    with emulated("gfx950"), emulated("sm_90"):
+        assert device_info(cpu).arch == "sm_90"
+    assert device_info(cpu) is detected
+
+
 @pytest.mark.gpu
 def test_cuda_device_is_detected():
     info = device_info(torch.device("cuda", 0))
