@@ -663,15 +663,21 @@ def _upcast_layout(fmt, w):
 
 
 def _fused_and_two_pass(x, lay, splits, a_fmt, rule, config, device="cpu"):
-    """(one launch quantizing x inside the GEMM, quantize_decode then the GEMM), outputs poisoned."""
+    """(one launch quantizing x inside the GEMM, quantize_decode then the GEMM), outputs
+    poisoned; the first must not have run the separate pass (else nothing fused was tested)."""
     sizes = torch.tensor(splits, dtype=torch.int32, device=device)
     out = (x.shape[0], lay.rows)
+    real = launch.quantize_decode
     two = launch.launch_upcast(
-        launch.quantize_decode(x, a_fmt, rule), lay, sizes, poison(torch.empty(out, device=device)), len(splits), config
+        real(x, a_fmt, rule), lay, sizes, poison(torch.empty(out, device=device)), len(splits), config
     )
-    one = launch.launch_upcast(
-        x, lay, sizes, poison(torch.empty(out, device=device)), len(splits), config, quantize=(a_fmt, rule)
-    )
+    passes = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "quantize_decode", lambda *args, **kw: passes.append(1) or real(*args, **kw))
+        one = launch.launch_upcast(
+            x, lay, sizes, poison(torch.empty(out, device=device)), len(splits), config, quantize=(a_fmt, rule)
+        )
+    assert not passes, "the launch quantized in a pass of its own"
     return one, two
 
 
