@@ -326,7 +326,7 @@ def _activation_quantizer(quantize: tuple[str, str], device: torch.device) -> di
 #: most ``FUSED_MAX_BM`` rows, weights of at most ``FUSED_MAX_WEIGHT`` elements (G x N x K).
 #: On the H100 (2026-12-06, ``benchmarks/fused_activation_probe.py``, the decode cases of
 #: 0.4-2.1 G elements) the fused launch's kernel took 1.00-1.07x the two launches' time
-#: for mxfp8 and 1.26-1.75x for mxfp4, while it cut the host time of a call from 53-56 to
+#: for mxfp8 and 1.27-1.75x for mxfp4, while it cut the host time of a call from 53-56 to
 #: 33-34 us (``host_overhead.py``): it pays only where the kernels take a few microseconds
 #: (here, weights of at most 2**24 elements: about 5-10 us of weight reads at the copy rate),
 #: so that the call is host-bound either way.
