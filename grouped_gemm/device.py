@@ -111,14 +111,16 @@ _described: contextvars.ContextVar[tuple[list[DeviceInfo], ...]] = contextvars.C
     "grouped_gemm_described_device", default=()
 )
 _listeners: list[Callable[[], None]] = []
-#: Per torch device, the ``emulated`` scopes in force (innermost last, each a one-item list
-#: told apart by identity), and what ``_detected`` held for it before the first of them.
-_emulations: dict[torch.device, list[list[DeviceInfo]]] = {}
-_before_emulation: dict[torch.device, DeviceInfo | None] = {}
+#: Per torch device, the ``emulated`` scopes in force, innermost last; each a one-item list,
+#: told apart by identity. Kept apart from ``_detected``, so no scope has anything to restore.
+_emulations: dict[torch.device, tuple[list[DeviceInfo], ...]] = {}
 
 
 def device_info(device: torch.device) -> DeviceInfo:
     """The chip under a torch device, detected once (or as ``emulated`` says)."""
+    emulations = _emulations.get(device)
+    if emulations:
+        return emulations[-1][0]
     info = _detected.get(device)
     if info is None:
         with _detect_lock:
@@ -226,11 +228,7 @@ def emulated(chip: DeviceInfo | str, device: torch.device | str = "cpu") -> Iter
         target = torch.device("cuda", torch.cuda.current_device())
     frame = [info]
     with _detect_lock:
-        scopes = _emulations.setdefault(target, [])
-        if not scopes:
-            _before_emulation[target] = _detected.get(target)
-        scopes.append(frame)
-        _detected[target] = info
+        _emulations[target] = (*_emulations.get(target, ()), frame)
     _changed()
     try:
         yield info
@@ -238,16 +236,11 @@ def emulated(chip: DeviceInfo | str, device: torch.device | str = "cpu") -> Iter
         # Only this scope's frame goes: a scope exited out of order leaves the others in
         # force (the innermost one still in force decides), as ``use_device`` does.
         with _detect_lock:
-            scopes[:] = [f for f in scopes if f is not frame]
-            if scopes:
-                _detected[target] = scopes[-1][0]
+            rest = tuple(f for f in _emulations[target] if f is not frame)
+            if rest:
+                _emulations[target] = rest
             else:
                 del _emulations[target]
-                before = _before_emulation.pop(target)
-                if before is None:
-                    _detected.pop(target, None)
-                else:
-                    _detected[target] = before
         _changed()
 
 
