@@ -657,11 +657,6 @@ def test_gpu_quantize_decode_equals_quantize_then_decode(fmt, gen):
 # ---- the same inside the upcast GEMM (launch_upcast(quantize=...)) -------------------------
 
 
-def _upcast_layout(fmt, w):
-    wq = quantize_mx_weight(w, fmt)
-    return layouts_e4m3.upcast_weight_e4m3(wq) if fmt == "e4m3" else layouts.upcast_weight(wq)
-
-
 def _fused_and_two_pass(x, lay, splits, a_fmt, rule, config, device="cpu"):
     """(one launch quantizing x inside the GEMM, quantize_decode then the GEMM), outputs
     poisoned; the first must not have run the separate pass (else nothing fused was tested)."""
@@ -697,7 +692,7 @@ def test_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, rule, tma
     two-height splits with an empty group, blocks of NaN / Inf / zeros / bf16 subnormals,
     pointer and TMA loads, a ragged contraction (160: a step half past the end)."""
     splits, n, k = [3, 17, 0, 40], 64, 160
-    lay = _upcast_layout(w_fmt, torch.randn(len(splits), n, k, generator=gen))
+    _, lay = _two_height_weights(w_fmt, len(splits), n, k, gen)
     config = launch.UpcastConfig(bm=32, bn=64, blocks=4, warps=4, stages=1, per_sm=1, small=16, tma=tma)
     one, two = _fused_and_two_pass(
         _activation((sum(splits), k), torch.bfloat16, gen, tiny=True), lay, splits, a_fmt, rule, config
@@ -712,7 +707,7 @@ def test_large_upcast_launch_quantizes_activations_in_a_pass_of_its_own(gen, mon
     ``FUSED_MAX_WEIGHT`` elements, runs the quantize-and-decode pass first (the same bits as
     the caller running it); a decode tile on a weight within the limit does not."""
     splits, n, k = [40, 0, 9], 64, 128
-    lay = _upcast_layout("e4m3", torch.randn(len(splits), n, k, generator=gen))
+    _, lay = _two_height_weights("e4m3", len(splits), n, k, gen)
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     sizes = torch.tensor(splits)
     passes = []
@@ -745,8 +740,7 @@ def test_gpu_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, gen):
     n, k = 256, 1024
     for rows in (2, 16):
         splits = [0, *gg.skewed_splits(31, 31 * rows)]
-        w = torch.randn(len(splits), n, k, generator=gen).to(device)
-        lay = _upcast_layout(w_fmt, w)
+        w, lay = _two_height_weights(w_fmt, len(splits), n, k, gen, device)
         x = _activation((sum(splits), k), torch.bfloat16, gen, device, tiny=True)
         one, two = _fused_and_two_pass(x, lay, splits, a_fmt, "rceil", None, device)
         _assert_bit_identical(one, two)
@@ -754,7 +748,7 @@ def test_gpu_upcast_quantizing_activations_equals_two_passes(w_fmt, a_fmt, gen):
         one, _ = _fused_and_two_pass(x, lay, splits, a_fmt, "rceil", None, device)
         want = ref_fwd(
             quantize_mx(x, a_fmt, axis=-1, scale_rule="rceil").dequantize().cpu(),
-            quantize_mx_weight(w, w_fmt).dequantize().cpu(),
+            w.dequantize().cpu(),
             splits,
         )
         assert sqnr_db(one.cpu(), want) >= MIN_SQNR
