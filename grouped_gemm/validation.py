@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from grouped_gemm import config
-from grouped_gemm.device import device_info
+from grouped_gemm.device import device_info, device_kind, stream_capturing
 from grouped_gemm.errors import (
     DeviceMismatchError,
     DTypeError,
@@ -168,15 +168,15 @@ def fwd_or_dgrad(
     device = a.device
     if w0.device != device:
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
-    if device.type == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
+    kind = device_kind(device)
+    if kind == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
         check_operand_kind(_tensor_operands(a_arg, a, w))
         raise DeviceMismatchError(a_arg, a, META_REFUSAL)  # both MXTensors: no plain tensor to name
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
-    reg = registry()
-    m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    m_align, max_rows = split_facts(splits if host else None, m_align_cap=registry().max_m_multiple)
+    capturing = kind == "cuda" and stream_capturing()
     key = _new_key(
         CallKey,
         (
@@ -228,7 +228,8 @@ def wgrad(
     if x.device != device:
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
     check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
-    if device.type == "meta":  # both MXTensors (a plain meta operand was refused just above)
+    kind = device_kind(device)
+    if kind == "meta":  # both MXTensors (a plain meta operand was refused just above)
         raise DeviceMismatchError("dy", dy, META_REFUSAL)
     groups = group_count(m_splits)
     splits, host = splits_operand(m_splits, groups, m, "dy", device)
@@ -240,7 +241,7 @@ def wgrad(
     out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
     reg = registry()
     m_align, max_rows = split_facts(splits if host else None, m_align_cap=reg.max_m_multiple)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = kind == "cuda" and stream_capturing()
     key = _new_key(
         CallKey,
         (
@@ -396,8 +397,6 @@ def splits_operand(
 
     A ``GroupOffsets`` is taken as its ``splits`` tensor (whose total, when known on the
     host, is checked against ``rows`` here at no cost)."""
-    if isinstance(m_splits, (list, tuple)):
-        return _host_splits(m_splits, groups, rows, rows_arg), True
     if type(m_splits) is GroupOffsets:
         if m_splits.written():
             raise SplitsError(
@@ -417,12 +416,14 @@ def splits_operand(
         # call's own facts are left to check, the hot path of a reused GroupOffsets.
         if (
             splits.device == device
-            and device.type != "cpu"  # CPU splits are read back as host splits, below
+            and not splits.is_cpu  # CPU splits are read back as host splits, below
             and splits.shape[0] == groups
             and not config.settings().check_device_splits
         ):
             return splits, False
         m_splits = splits
+    elif isinstance(m_splits, (list, tuple)):
+        return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
         raise splits_type_error(m_splits)
     if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
