@@ -56,9 +56,12 @@ class GroupOffsets:
     ends: torch.Tensor
     total: int | None
     versions: tuple[tuple[int, int], tuple[int, int]] = dataclasses.field(init=False, repr=False)
+    #: Where ``GroupedInputs.offsets`` files ``ends``: (device, int32), built once.
+    ends_key: tuple[torch.device, torch.dtype] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
+        object.__setattr__(self, "ends_key", (self.ends.device, torch.int32))
 
     def written(self) -> bool:
         """Whether ``splits`` or ``ends`` was written in place since they were built (as
@@ -77,7 +80,7 @@ def ends_cache(m_splits: Any) -> dict[tuple[torch.device, torch.dtype], torch.Te
     """The ends ``GroupedInputs.offsets`` can hand out without a kernel: a seed for its
     cache when ``m_splits`` is a ``GroupOffsets``, else empty."""
     if type(m_splits) is GroupOffsets:
-        return {(m_splits.ends.device, torch.int32): m_splits.ends}
+        return {m_splits.ends_key: m_splits.ends}
     return {}
 
 
