@@ -327,6 +327,26 @@ def test_misaligned_and_strided_operands_on_gpu(gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shifted", ["x", "w", "dy"])
+def test_contiguous_operands_with_a_misaligned_base_on_gpu(gen, shifted):
+    """Both operands contiguous (the Problem says so): the fast row-major test still reads
+    each base pointer, so a contiguous operand 2 bytes off a 16-byte boundary is copied."""
+    splits = torch.tensor([100, 0, 37, 211], device="cuda")
+    m, n, k = 348, 256, 512
+
+    def operand(shape, name):
+        numel = 1
+        for d in shape:
+            numel *= d
+        flat = torch.randn(numel + 1, generator=gen).to("cuda", torch.bfloat16)
+        return flat[1:].view(shape) if name == shifted else flat[:numel].view(shape)
+
+    x, w, dy = operand((m, k), "x"), operand((4, n, k), "w"), operand((m, n), "dy")
+    assert x.is_contiguous() and w.is_contiguous() and dy.is_contiguous()
+    run_three_ops(x, w, dy, splits)
+
+
+@pytest.mark.gpu
 def test_wgrad_accumulate_on_gpu(gen):
     splits = [500, 0, 1200, 300]
     x, _, dy = operands(gen, splits, 512, 256, torch.bfloat16, "cuda")
