@@ -159,7 +159,7 @@ def fwd_or_dgrad(
     b_format = w0.dtype if isinstance(w0, torch.Tensor) else mx_format(w0)
     # A list: every group's weight (a later one may require grad or be sparse). Otherwise one
     # plain test of each operand on the hot path (an MXTensor passes it).
-    if is_list or _unusual(a) or _unusual(w0):
+    if is_list or _unusual(a, w0):
         check_operand_kind(_tensor_operands(a_arg, a, w))
     m, inner = a.shape
     if inner != (k if fwd else n):
@@ -272,10 +272,13 @@ def wgrad(
 META_REFUSAL = "a tensor with data (CPU or GPU); meta tensors have none"
 
 
-def _unusual(t: Any) -> bool:
-    """Whether ``check_operand_kind`` has something to look at: a tensor that requires grad
-    or is not dense (an MXTensor holds dense tensors that do not)."""
-    return isinstance(t, torch.Tensor) and (t.requires_grad or t.layout is not _STRIDED)
+def _unusual(a: Any, b: Any) -> bool:
+    """Whether ``check_operand_kind`` has something to look at in either operand: a tensor
+    that requires grad or is not dense (an MXTensor holds dense tensors that do not). Both
+    in one call: it runs on every call."""
+    return (isinstance(a, torch.Tensor) and (a.requires_grad or a.layout is not _STRIDED)) or (
+        isinstance(b, torch.Tensor) and (b.requires_grad or b.layout is not _STRIDED)
+    )
 
 
 def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor]]:
