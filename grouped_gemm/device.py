@@ -116,27 +116,6 @@ _listeners: list[Callable[[], None]] = []
 _emulations: dict[torch.device, tuple[list[DeviceInfo], ...]] = {}
 
 
-#: torch.device -> its type. ``device.type`` builds a new str on every read (about 0.2 us),
-#: and the call path needs it on every call; a process sees a handful of devices.
-_DEVICE_KINDS: dict[torch.device, str] = {}
-
-
-def device_kind(device: torch.device) -> str:
-    """``device.type`` ("cuda", "cpu", "meta"...), from a per-process table."""
-    kind = _DEVICE_KINDS.get(device)
-    if kind is None:
-        kind = _DEVICE_KINDS[device] = device.type
-    return kind
-
-
-#: Whether the current CUDA stream is capturing a graph: the C function
-#: ``torch.cuda.is_current_stream_capturing`` wraps, without that Python frame (every GPU
-#: call asks). Call it only for CUDA devices (a CPU-only torch has a stub that raises).
-stream_capturing: Callable[[], bool] = getattr(
-    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
-)
-
-
 def device_info(device: torch.device) -> DeviceInfo:
     """The chip under a torch device, detected once (or as ``emulated`` says)."""
     emulations = _emulations.get(device)

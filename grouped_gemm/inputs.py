@@ -15,6 +15,7 @@ import torch
 
 from grouped_gemm.group_ends import group_ends
 from grouped_gemm.group_offsets import host_to_device
+from grouped_gemm.torch_device import device_kind
 
 if TYPE_CHECKING:
     from grouped_gemm.problem import Problem
@@ -120,7 +121,7 @@ def _recent_copy(
 ) -> torch.Tensor:
     """``splits`` (``ends``: their cumulative ends) on ``device`` through ``_RECENT_ENDS``."""
     key = None
-    if device.type == "cuda" and type(splits) is tuple and not _capturing(capturing):
+    if device_kind(device) == "cuda" and type(splits) is tuple and not _capturing(capturing):
         # The raw stream handle: ``torch.cuda.current_stream(device)`` builds a Stream
         # object, ~5 us of host time a call on the H200 host (cProfile, issue 14).
         key = (splits, ends, device, dtype, torch._C._cuda_getCurrentRawStream(_index(device)))

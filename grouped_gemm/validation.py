@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from grouped_gemm import config
-from grouped_gemm.device import device_info, device_kind, stream_capturing
+from grouped_gemm.device import device_info
 from grouped_gemm.errors import (
     DeviceMismatchError,
     DTypeError,
@@ -42,6 +42,7 @@ from grouped_gemm.problem import Op, Problem, build_problem, m_bucket, split_fac
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.results import operand_tensors
+from grouped_gemm.torch_device import device_kind, stream_capturing
 from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, SPLIT_DTYPES, SPLIT_TENSOR, dtype_name
 
 _STRIDED = torch.strided

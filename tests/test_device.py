@@ -144,3 +144,12 @@ def test_cuda_device_is_detected():
     info = device_info(torch.device("cuda", 0))
     assert info.vendor in ("cuda", "rocm")
     assert info.multiprocessors == torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@pytest.mark.parametrize("name", ["cpu", "meta", "cuda", "cuda:1"])
+def test_device_kind_is_the_device_type_read_once(name):
+    from grouped_gemm.torch_device import device_kind
+
+    device = torch.device(name)
+    assert device_kind(device) == device.type
+    assert device_kind(torch.device(name)) is device_kind(device)  # the table's str, not a new one
