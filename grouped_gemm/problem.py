@@ -173,15 +173,37 @@ def build_problem(
     )
 
 
+#: ``split_facts`` of recent host splits: a MoE layer's GEMMs (three forward, up to six
+#: backward) share one list of group sizes, and the pass over it costs about 4 us of host
+#: time at 128 groups on the dev CPU. Bounded: cleared when full; tuples of at most
+#: ``_RECENT_FACTS_GROUPS`` sizes only.
+_RECENT_FACTS: dict[tuple[tuple[int, ...], int], tuple[int, int | None]] = {}
+_RECENT_FACTS_MAX = 64
+_RECENT_FACTS_GROUPS = 4096
+
+
 def split_facts(splits: Sequence[int] | None, *, m_align_cap: int) -> tuple[int, int | None]:
     """``(m_align, max_rows)`` of host ``splits`` (None: device splits).
 
     ``m_align`` is capped at ``m_align_cap``, the largest row multiple a registered backend
-    asks for (1: no pass over the splits for it). Runs on every call: kept to one function
-    call and one builtin ``max``.
+    asks for (1: no pass over the splits for it). Runs on every call: a tuple of sizes seen
+    lately is looked up, not walked again.
     """
     if splits is None:
         return (0 if m_align_cap > 1 else 1), None
+    if type(splits) is tuple and len(splits) <= _RECENT_FACTS_GROUPS:
+        key = (splits, m_align_cap)
+        facts = _RECENT_FACTS.get(key)
+        if facts is None:
+            if len(_RECENT_FACTS) >= _RECENT_FACTS_MAX:
+                _RECENT_FACTS.clear()
+            facts = _RECENT_FACTS[key] = _walked_facts(splits, m_align_cap)
+        return facts
+    return _walked_facts(splits, m_align_cap)
+
+
+def _walked_facts(splits: Sequence[int], m_align_cap: int) -> tuple[int, int | None]:
+    """``split_facts`` by one pass over ``splits``."""
     if m_align_cap <= 1:
         m_align = 1
     else:

@@ -4,6 +4,7 @@ dispatch cache's key covers every field of it."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -85,3 +86,21 @@ def test_a_cached_route_serves_every_m_of_its_bucket_with_its_own_problem(make_b
         assert out.shape == (rows, 4)
     assert seen == [12, 10, 12, 9]
     assert backend.checks == 1  # M 9, 10 and 12 share the power-of-two bucket 16
+
+
+def test_split_facts_of_recent_tuples_match_a_fresh_walk():
+    """The memo of recent host splits gives what one pass over them gives, for tuples (kept,
+    bounded) and lists (walked every time)."""
+    from grouped_gemm import problem as problem_module
+
+    rng = random.Random(7)
+    for _ in range(3 * problem_module._RECENT_FACTS_MAX):
+        sizes = tuple(rng.choice([0, 8, 24, 96, 128, 1000]) for _ in range(rng.randint(1, 130)))
+        for cap in (1, 16, 128):
+            walked = problem_module._walked_facts(list(sizes), cap)
+            assert problem_module.split_facts(sizes, m_align_cap=cap) == walked
+            assert problem_module.split_facts(sizes, m_align_cap=cap) == walked  # from the memo
+            assert problem_module.split_facts(list(sizes), m_align_cap=cap) == walked
+        assert len(problem_module._RECENT_FACTS) <= problem_module._RECENT_FACTS_MAX
+    assert problem_module.split_facts((0, 0), m_align_cap=16) == (16, 0)
+    assert problem_module.split_facts((8, 24), m_align_cap=16) == (8, 32)
