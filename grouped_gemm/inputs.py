@@ -15,7 +15,7 @@ import torch
 
 from grouped_gemm.group_ends import group_ends
 from grouped_gemm.group_offsets import host_to_device
-from grouped_gemm.torch_device import device_kind
+from grouped_gemm.torch_device import device_kind, stream_capturing
 
 if TYPE_CHECKING:
     from grouped_gemm.problem import Problem
@@ -93,11 +93,6 @@ _RECENT_ENDS: dict[tuple, torch.Tensor] = {}
 _RECENT_ENDS_MAX = 16
 
 
-def _index(device: torch.device) -> int:
-    """``device``'s index; the current one for a bare ``cuda``."""
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def host_ends(
     splits: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32, capturing: bool | None = None
 ) -> torch.Tensor:
@@ -121,10 +116,17 @@ def _recent_copy(
 ) -> torch.Tensor:
     """``splits`` (``ends``: their cumulative ends) on ``device`` through ``_RECENT_ENDS``."""
     key = None
-    if device_kind(device) == "cuda" and type(splits) is tuple and not _capturing(capturing):
+    # Written out (no helper frames): it runs on every call given host splits (issue 14).
+    if (
+        device_kind(device) == "cuda"
+        and type(splits) is tuple
+        and not (stream_capturing() if capturing is None else capturing)
+    ):
         # The raw stream handle: ``torch.cuda.current_stream(device)`` builds a Stream
         # object, ~5 us of host time a call on the H200 host (cProfile, issue 14).
-        key = (splits, ends, device, dtype, torch._C._cuda_getCurrentRawStream(_index(device)))
+        index = device.index
+        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if index is None else index)
+        key = (splits, ends, device, dtype, stream)
         sent = _RECENT_ENDS.get(key)
         if sent is not None:
             return sent
@@ -134,7 +136,3 @@ def _recent_copy(
             _RECENT_ENDS.clear()  # bounded; a step's splits come back on its next call
         _RECENT_ENDS[key] = sent
     return sent
-
-
-def _capturing(known: bool | None) -> bool:
-    return torch.cuda.is_current_stream_capturing() if known is None else known
