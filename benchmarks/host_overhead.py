@@ -8,7 +8,8 @@ the median over rounds of its block minus the bare block beside it. Paired block
 the drift of a shared host (on one H100 host the unpaired median of one variant read
 +8.8 to +26.5 us over bare across runs of the same code, 2026-12-06); the best block of
 each over the best bare block is printed beside it. One call of each variant is run under
-the profiler to count the kernels it launches.
+the profiler to count the kernels it launches. Three rows at 128 groups (2 rows each)
+come with their own bare call (read them against it).
 The Triton routes run twice, with grouped_gemm's cached launcher and through Triton's own
 ``kernel[grid]`` path (``GROUPED_GEMM_TRITON_LAUNCHER=triton``), interleaved in one run.
 ``--profile`` then runs each variant under cProfile for ``--calls`` calls and writes the 25
@@ -90,7 +91,26 @@ def _variants(device: torch.device) -> dict[str, Callable[[], object]]:
         lambda: gg.grouped_gemm(x, w_mx, dev32, recipe="a16w4"),
         lambda: gg.grouped_gemm(x_short, w_mx, dev32_short, recipe="a16w4"),
     )
+    variants.update(_many_groups(device))
     return variants
+
+
+def _many_groups(device: torch.device) -> dict[str, Callable[[], object]]:
+    """A 128-expert layer's call (2 rows per group): host work that grows with G (checking
+    the splits, their facts, their ends) shows here. Read against its own bare call."""
+    groups, rows = 128, 2
+    x = torch.randn(groups * rows, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(groups, N, K, device=device, dtype=torch.bfloat16) / K**0.5
+    host = [rows] * groups
+    ends = torch.tensor(list(itertools.accumulate(host)), device=device, dtype=torch.int32)
+    wt = w.transpose(-2, -1)
+    peer = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    offs = gg.offsets(host, device=device)
+    return {
+        "torch._grouped_mm, int32 offsets, 128 groups": lambda: peer(x, wt, offs=ends),
+        "gg bf16, host splits, 128 groups": lambda: gg.grouped_gemm(x, w, host),
+        "gg bf16, gg.offsets(host list) reused, 128 groups": lambda: gg.grouped_gemm(x, w, offs),
+    }
 
 
 def selected(variants: dict[str, Callable[[], object]], only: str) -> dict[str, Callable[[], object]]:
