@@ -400,7 +400,7 @@ def test_host_splits_reused_on_a_stream_are_sent_once(monkeypatch):
     assert torch.equal(on_side, first) and len(inputs_module._RECENT_ENDS) == 3
     # Host splits are refused under capture by every built-in backend (the graph would
     # keep them); a plugin that takes them still gets fresh ends, never cached ones.
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(inputs_module, "stream_capturing", lambda: True)
     fresh = inputs_module.host_ends(tuple(splits), device)
     assert len(inputs_module._RECENT_ENDS) == 3, "nothing is cached under capture"
     assert all(fresh is not ends for ends in inputs_module._RECENT_ENDS.values())
