@@ -415,17 +415,16 @@ def splits_operand(
                 m_splits,
                 f"group sizes summing to {rows_arg}.shape[0]={rows}, but they sum to {m_splits.total}",
             )
-        splits = m_splits.splits
         # gg.offsets checked its tensor's rank and dtype and keeps it private: only the
         # call's own facts are left to check, the hot path of a reused GroupOffsets.
         if (
-            splits.device == device
-            and not splits.is_cpu  # CPU splits are read back as host splits, below
-            and splits.shape[0] == groups
+            m_splits.device == device
+            and not m_splits.splits.is_cpu  # CPU splits are read back as host splits, below
+            and m_splits.groups == groups
             and not config.settings().check_device_splits
         ):
-            return splits, False
-        m_splits = splits
+            return m_splits.splits, False
+        m_splits = m_splits.splits
     elif isinstance(m_splits, (list, tuple)):
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
