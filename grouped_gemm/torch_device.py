@@ -29,3 +29,10 @@ def device_kind(device: torch.device) -> str:
 stream_capturing: Callable[[], bool] = getattr(
     torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
 )
+
+
+def capturing_on(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (False off
+    CUDA). For paths off the per-call hot path; the call path, which already knows the
+    device's kind, asks ``stream_capturing`` itself."""
+    return device_kind(device) == "cuda" and stream_capturing()

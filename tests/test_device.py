@@ -153,3 +153,15 @@ def test_device_kind_is_the_device_type_read_once(name):
     device = torch.device(name)
     assert device_kind(device) == device.type
     assert device_kind(torch.device(name)) is device_kind(device)  # the table's str, not a new one
+
+
+def test_capturing_on_asks_torch_only_for_cuda_devices(monkeypatch):
+    from grouped_gemm import torch_device
+
+    asked = []
+    monkeypatch.setattr(torch_device, "stream_capturing", lambda: asked.append(1) or True)
+    assert not torch_device.capturing_on(torch.device("cpu"))
+    assert not torch_device.capturing_on(torch.device("meta"))
+    assert asked == []  # a CPU-only torch's capture query raises: never asked off CUDA
+    assert torch_device.capturing_on(torch.device("cuda", 0))
+    assert asked == [1]

@@ -53,6 +53,7 @@ import triton
 from grouped_gemm.backends.triton_mx import weight_prep_kernel
 from grouped_gemm.mx import MXTensor, triton_quantizer
 from grouped_gemm.mx.formats import FORMATS
+from grouped_gemm.torch_device import capturing_on
 from grouped_gemm.triton_launcher import CachedLauncher, cdiv
 from grouped_gemm.updates import write_stamp
 
@@ -164,7 +165,7 @@ def build_upcast_weight(mx: MXTensor, check_scales: bool = False, run_major: boo
             ROWS=rows_per,
             num_warps=warps,
         )
-    small = check_scales and not _capturing(mx.device) and bool((mx.scale <= 128).all())
+    small = check_scales and not capturing_on(mx.device) and bool((mx.scale <= 128).all())
     return dataclasses.replace(lay, small_scales=small)
 
 
@@ -221,10 +222,6 @@ def prep_format_args(x: torch.Tensor, fmt: str, scale_rule: str, strided: bool) 
     the integer rounding is bit-identical by construction (``triton_kernels.encode``)."""
     args = triton_quantizer.format_args(x, FORMATS[fmt], scale_rule)
     return {**args, "NATIVE": False} if strided else args
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _cache: weakref.WeakKeyDictionary[MXTensor, tuple[tuple[tuple[int, int], ...], UpcastWeight]] = (

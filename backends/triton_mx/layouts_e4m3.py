@@ -32,6 +32,7 @@ import torch
 from grouped_gemm.backends.triton_mx.layouts import K_ALIGN, UpcastWeight, upcast_weight
 from grouped_gemm.backends.triton_mx.weight_prep_kernel import E4M3_HIGH_WORDS
 from grouped_gemm.mx import MXTensor
+from grouped_gemm.torch_device import capturing_on
 
 #: Words from a low word of a run to its high word (the module docstring says why).
 HIGH_WORDS: int = E4M3_HIGH_WORDS.value
@@ -72,8 +73,7 @@ def build_upcast_weight_e4m3(mx: MXTensor, check_scales: bool = False) -> Upcast
     data = ordered.reshape(groups, runs, rows, 32, 4).view(torch.int32).reshape(groups, runs, rows, 32).transpose(1, 2)
     blocks = torch.nn.functional.pad(scale, (0, (k_padded - k_red) // 32)).contiguous()
     scales = blocks.view(torch.int32).transpose(1, 2).contiguous()
-    capturing = mx.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    small = check_scales and not capturing and bool((scale <= FOLD_MAX_SCALE).all())
+    small = check_scales and not capturing_on(mx.device) and bool((scale <= FOLD_MAX_SCALE).all())
     return UpcastWeight(
         data=data, scales=scales, rows=rows, k_red=k_red, k_padded=k_padded, small_scales=small, fmt="e4m3"
     )
