@@ -152,6 +152,8 @@ BAD_OUT_DTYPES: list[tuple[str, Any]] = [
     ("float64", torch.float64),
     ("string_float64", "float64"),
     ("int", 5),
+    ("list", [torch.float32]),  # unhashable: was a bare TypeError from a dict lookup
+    ("dict", {}),
 ]
 
 BAD_BACKENDS: list[tuple[str, Any]] = [
@@ -261,6 +263,20 @@ def test_every_accepted_splits_form_gives_the_right_numbers(op, splits):
     want = {"fwd": ref_fwd(t["x"], t["w"], SPLITS), "dgrad": ref_dgrad(t["dy"], t["w"], SPLITS)}.get(op)
     want = ref_wgrad(t["dy"], t["x"], SPLITS) if want is None else want
     assert rel_error(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("name", ["float32", "torch.float32"])
+def test_out_dtype_by_name_agrees_with_an_out_of_that_dtype(op, name):
+    """A dtype name is a valid out_dtype; with out= of that dtype it was refused as a mismatch."""
+    t = _operands()
+    out = torch.full(_out_shape(op), float("nan"))
+    got = _call(op, out_dtype=name, out=out)
+    want = {"fwd": ref_fwd(t["x"], t["w"], SPLITS), "dgrad": ref_dgrad(t["dy"], t["w"], SPLITS)}.get(op)
+    want = ref_wgrad(t["dy"], t["x"], SPLITS) if want is None else want
+    assert got is out and rel_error(got, want) < 1e-6
+    with pytest.raises(gg.DTypeError, match=r"^out="):
+        _call(op, out_dtype="bfloat16", out=out)
 
 
 # Configuration from code and from the environment.
