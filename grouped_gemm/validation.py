@@ -553,6 +553,20 @@ def _check_out_grad(name: str, out: torch.Tensor) -> None:
         raise InvalidArgumentError(
             name, out, "a buffer that does not require grad: the functional grouped GEMMs write out= in place"
         )
+    check_writable(name, out)
+
+
+def check_writable(name: str, out: torch.Tensor) -> None:
+    """A buffer written in place may not be an inference tensor outside inference mode:
+    torch refuses that write inside the backend, which came back as that backend's
+    BackendRunError instead of an error naming the buffer."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise InvalidArgumentError(
+            name,
+            out,
+            "a buffer that can be written here: it is an inference tensor (made under torch.inference_mode()), "
+            "which torch writes in place only inside inference mode; pass a normal tensor or call inside it",
+        )
 
 
 def out_dtype_name(out_dtype: torch.dtype | None, out: Any, default: torch.dtype) -> str:
