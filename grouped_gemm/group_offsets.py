@@ -50,6 +50,7 @@ class GroupOffsets:
     on every call for free), else None. Both tensors are read-only: ``ends`` and ``total``
     would no longer match edited sizes, so a call given offsets whose tensors were written
     in place since (``write_stamp``) is refused; new sizes take a new ``gg.offsets``.
+    Built by hand, its parts must agree (``_check_parts``; values compared on the CPU only).
     """
 
     splits: torch.Tensor
@@ -64,6 +65,7 @@ class GroupOffsets:
     groups: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check_parts(self.splits, self.ends, self.total)
         object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
         device = self.splits.device
         object.__setattr__(self, "device", device)
@@ -77,6 +79,40 @@ class GroupOffsets:
 
     def __len__(self) -> int:
         return self.groups
+
+
+def _check_parts(splits: Any, ends: Any, total: Any) -> None:
+    """The parts of a ``GroupOffsets`` built by hand agree (``gg.offsets`` builds them so):
+    backends take ``ends`` as given, so ends that are not the cumulative sum of ``splits``
+    gave other backends' numbers without an error. Values are compared on the CPU only,
+    where reading them costs no device sync."""
+    if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype not in SPLIT_DTYPES:
+        raise SplitsError("splits", splits, f"{SPLIT_TENSOR}; build GroupOffsets with gg.offsets(m_splits)")
+    if (
+        not isinstance(ends, torch.Tensor)
+        or ends.dtype != torch.int32
+        or tuple(ends.shape) != tuple(splits.shape)
+        or ends.device != splits.device
+    ):
+        raise SplitsError(
+            "ends",
+            ends,
+            f"a ({splits.shape[0]},) int32 tensor on {splits.device}, the running sum of splits; "
+            "build GroupOffsets with gg.offsets(m_splits)",
+        )
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise SplitsError("total", total, "None or an int, the sum of splits")
+    if splits.device.type == "cpu":
+        running = splits.to(torch.int64).cumsum(0)
+        if not torch.equal(ends.to(torch.int64), running):
+            raise SplitsError(
+                "ends",
+                ends.tolist(),
+                f"the running sum of splits={splits.tolist()}, {running.tolist()}; build GroupOffsets with "
+                "gg.offsets(m_splits)",
+            )
+        if total is not None and total != (int(running[-1]) if splits.numel() else 0):
+            raise SplitsError("total", total, f"None or the sum of splits={splits.tolist()}")
 
 
 def ends_cache(m_splits: Any) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
