@@ -39,6 +39,7 @@ from grouped_gemm.errors import (
     SplitsError,
 )
 from grouped_gemm.group_offsets import GroupOffsets
+from grouped_gemm.validation import check_writable
 
 __all__ = ["gmm"]
 
@@ -198,6 +199,7 @@ def _check_c(c: Any, shape: tuple[int, ...], dims: str, a: torch.Tensor, b: torc
     _like_a(a, c, "c")
     if not c.is_contiguous():
         raise InvalidArgumentError("c", c, "a contiguous tensor (it is written in place)")
+    check_writable("c", c)
     for name, operand in (("a", a), ("b", b)):
         if _overlaps(c, operand):
             raise InvalidArgumentError(

@@ -50,6 +50,7 @@ class GroupOffsets:
     on every call for free), else None. Both tensors are read-only: ``ends`` and ``total``
     would no longer match edited sizes, so a call given offsets whose tensors were written
     in place since (``write_stamp``) is refused; new sizes take a new ``gg.offsets``.
+    Built by hand, its parts must agree (``_check_parts``; values compared on the CPU only).
     """
 
     splits: torch.Tensor
@@ -64,6 +65,11 @@ class GroupOffsets:
     groups: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check_parts(self.splits, self.ends, self.total)
+        self._read_facts()
+
+    def _read_facts(self) -> None:
+        """The write stamps, device and group count, read once when built."""
         object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
         device = self.splits.device
         object.__setattr__(self, "device", device)
@@ -77,6 +83,51 @@ class GroupOffsets:
 
     def __len__(self) -> int:
         return self.groups
+
+
+def _agreeing(splits: torch.Tensor, ends: torch.Tensor, total: int | None) -> GroupOffsets:
+    """A ``GroupOffsets`` from parts that agree by construction (``offsets`` builds them):
+    without ``_check_parts``, which doubles ``gg.offsets``' host time on CPU splits."""
+    made = object.__new__(GroupOffsets)
+    object.__setattr__(made, "splits", splits)
+    object.__setattr__(made, "ends", ends)
+    object.__setattr__(made, "total", total)
+    made._read_facts()
+    return made
+
+
+def _check_parts(splits: Any, ends: Any, total: Any) -> None:
+    """The parts of a ``GroupOffsets`` built by hand agree (``gg.offsets`` builds them so):
+    backends take ``ends`` as given, so ends that are not the cumulative sum of ``splits``
+    gave other backends' numbers without an error. Values are compared on the CPU only,
+    where reading them costs no device sync."""
+    if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype not in SPLIT_DTYPES:
+        raise SplitsError("splits", splits, f"{SPLIT_TENSOR}; build GroupOffsets with gg.offsets(m_splits)")
+    if (
+        not isinstance(ends, torch.Tensor)
+        or ends.dtype != torch.int32
+        or tuple(ends.shape) != tuple(splits.shape)
+        or ends.device != splits.device
+    ):
+        raise SplitsError(
+            "ends",
+            ends,
+            f"a ({splits.shape[0]},) int32 tensor on {splits.device}, the running sum of splits; "
+            "build GroupOffsets with gg.offsets(m_splits)",
+        )
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise SplitsError("total", total, "None or an int, the sum of splits")
+    if splits.device.type == "cpu":
+        running = splits.to(torch.int64).cumsum(0)
+        if not torch.equal(ends.to(torch.int64), running):
+            raise SplitsError(
+                "ends",
+                ends.tolist(),
+                f"the running sum of splits={splits.tolist()}, {running.tolist()}; build GroupOffsets with "
+                "gg.offsets(m_splits)",
+            )
+        if total is not None and total != (int(running[-1]) if splits.numel() else 0):
+            raise SplitsError("total", total, f"None or the sum of splits={splits.tolist()}")
 
 
 def ends_cache(m_splits: Any) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
@@ -110,9 +161,9 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
             raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or a GPU), not meta")
         if m_splits.device.type != "cpu":
             if target is None or target == m_splits.device:
-                return GroupOffsets(*copy_and_ends(m_splits), None)
+                return _agreeing(*copy_and_ends(m_splits), None)
             splits = m_splits.to(target, copy=True)
-            return GroupOffsets(splits, group_ends(splits), None)
+            return _agreeing(splits, group_ends(splits), None)
         values = m_splits.tolist()
     elif isinstance(m_splits, (list, tuple)):
         values = host_split_ints(m_splits)
@@ -148,7 +199,7 @@ def _from_host(values: list[int], device: torch.device) -> GroupOffsets:
         raise SplitsError("m_splits", values, f"at most {_MAX_ROWS} rows in all (int32 ends), got {total}")
     groups = len(values)
     both = host_to_device([*values, *itertools.accumulate(values)], device)
-    return GroupOffsets(both[:groups], both[groups:], total)
+    return _agreeing(both[:groups], both[groups:], total)
 
 
 def as_ints(values: Sequence[Any], argument: str = "m_splits") -> list[int]:

@@ -58,16 +58,29 @@ ENV_LAUNCHER = "GROUPED_GEMM_TRITON_LAUNCHER"
 
 
 def _from_env() -> bool:
-    """``cached`` (default) or ``triton``; anything else is a ConfigError naming the variable,
-    so a typo does not silently measure the wrong path."""
-    value = os.environ.get(ENV_LAUNCHER, "cached").strip().lower()
+    """``cached`` (default, also when unset or empty, as for the other variables) or
+    ``triton``; anything else is a ConfigError naming the variable, so a typo does not
+    silently measure the wrong path."""
+    value = os.environ.get(ENV_LAUNCHER, "").strip().lower() or "cached"
     if value not in ("cached", "triton"):
         raise ConfigError(ENV_LAUNCHER, value, "'cached' or 'triton'")
     return value == "cached"
 
 
-#: Whether cached launches are on: the environment (read once) or ``set_enabled``.
-_ENABLED = _from_env()
+#: Whether cached launches are on: the environment (read at the first launch, not at
+#: import: a bad value must fail the call that uses it, not ``import grouped_gemm``, as
+#: every other variable does) or ``set_enabled``. None until then.
+_ENABLED: bool | None = None
+
+
+def _enabled() -> bool:
+    """``_ENABLED``, reading the environment on first use."""
+    global _ENABLED
+    if _ENABLED is None:
+        _ENABLED = _from_env()
+    return _ENABLED
+
+
 #: Compiled specializations kept per kernel; the oldest goes first (a few per shape class).
 MAX_ENTRIES = 64
 #: Int-argument tuples whose classes are remembered per kernel (cleared when full).
@@ -94,7 +107,7 @@ class _Uncacheable(Exception):
 def set_enabled(enabled: bool) -> bool:
     """Turn cached launches on or off process-wide (benchmarks); returns the previous value."""
     global _ENABLED
-    previous, _ENABLED = _ENABLED, enabled
+    previous, _ENABLED = _enabled(), enabled
     return previous
 
 
@@ -265,7 +278,7 @@ class CachedLauncher:
             with _on_device(index):
                 self._run(grid, args, kwargs, bound)
             return
-        if not _ENABLED or self._params is None or _hooks_set():
+        if not (_ENABLED if _ENABLED is not None else _enabled()) or self._params is None or _hooks_set():
             self.fallbacks += 1
             with _interpreter_lock if self._interpreted else contextlib.nullcontext():
                 self.kernel[grid](*args, **kwargs)

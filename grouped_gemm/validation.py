@@ -553,15 +553,35 @@ def _check_out_grad(name: str, out: torch.Tensor) -> None:
         raise InvalidArgumentError(
             name, out, "a buffer that does not require grad: the functional grouped GEMMs write out= in place"
         )
+    check_writable(name, out)
+
+
+def check_writable(name: str, out: torch.Tensor) -> None:
+    """A buffer written in place may not be an inference tensor outside inference mode:
+    torch refuses that write inside the backend, which came back as that backend's
+    BackendRunError instead of an error naming the buffer."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise InvalidArgumentError(
+            name,
+            out,
+            "a buffer that can be written here: it is an inference tensor (made under torch.inference_mode()), "
+            "which torch writes in place only inside inference mode; pass a normal tensor or call inside it",
+        )
 
 
 def out_dtype_name(out_dtype: torch.dtype | None, out: Any, default: torch.dtype) -> str:
-    """The result dtype's name: ``out``'s, else ``out_dtype``, else ``default``."""
-    if out_dtype is not None and dtype_name(out_dtype) not in FLOAT_DTYPE_NAMES:
+    """The result dtype's name: ``out``'s, else ``out_dtype`` (a torch.dtype or its name),
+    else ``default``."""
+    # Type first: dtype_name looks the value up in a dict, where a list or a dict raised a
+    # bare "unhashable type" TypeError that named no argument.
+    if out_dtype is not None and (
+        not isinstance(out_dtype, (torch.dtype, str)) or dtype_name(out_dtype) not in FLOAT_DTYPE_NAMES
+    ):
         raise DTypeError("out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
     if out is not None:
         dt = first(out).dtype
-        if out_dtype is not None and dt != out_dtype:
+        # By name: out_dtype="float32" agrees with a float32 out.
+        if out_dtype is not None and dtype_name(dt) != dtype_name(out_dtype):
             raise DTypeError("out", first(out), f"dtype out_dtype={out_dtype}")
         if dtype_name(dt) not in FLOAT_DTYPE_NAMES:
             raise DTypeError("out", first(out), "dtype bfloat16, float16 or float32")

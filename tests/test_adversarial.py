@@ -152,6 +152,8 @@ BAD_OUT_DTYPES: list[tuple[str, Any]] = [
     ("float64", torch.float64),
     ("string_float64", "float64"),
     ("int", 5),
+    ("list", [torch.float32]),  # unhashable: was a bare TypeError from a dict lookup
+    ("dict", {}),
 ]
 
 BAD_BACKENDS: list[tuple[str, Any]] = [
@@ -261,6 +263,45 @@ def test_every_accepted_splits_form_gives_the_right_numbers(op, splits):
     want = {"fwd": ref_fwd(t["x"], t["w"], SPLITS), "dgrad": ref_dgrad(t["dy"], t["w"], SPLITS)}.get(op)
     want = ref_wgrad(t["dy"], t["x"], SPLITS) if want is None else want
     assert rel_error(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("name", ["float32", "torch.float32"])
+def test_out_dtype_by_name_agrees_with_an_out_of_that_dtype(op, name):
+    """A dtype name is a valid out_dtype; with out= of that dtype it was refused as a mismatch."""
+    t = _operands()
+    out = torch.full(_out_shape(op), float("nan"))
+    got = _call(op, out_dtype=name, out=out)
+    want = {"fwd": ref_fwd(t["x"], t["w"], SPLITS), "dgrad": ref_dgrad(t["dy"], t["w"], SPLITS)}.get(op)
+    want = ref_wgrad(t["dy"], t["x"], SPLITS) if want is None else want
+    assert got is out and rel_error(got, want) < 1e-6
+    with pytest.raises(gg.DTypeError, match=r"^out="):
+        _call(op, out_dtype="bfloat16", out=out)
+
+
+@pytest.mark.parametrize("form", ["fwd", "dgrad", "wgrad", "wgrad_list", "wgrad_accumulate", "gmm_c"])
+def test_an_inference_tensor_out_is_named_outside_inference_mode(form):
+    """torch refuses in-place writes to inference tensors outside inference mode: that came
+    back as the chosen backend's BackendRunError, not as an error naming the buffer."""
+    op = form.split("_")[0]
+    shape = _out_shape("fwd" if op == "gmm" else op)
+    with torch.inference_mode():
+        buf = torch.zeros(shape)
+    if form == "gmm_c":
+        t = _operands()
+        with pytest.raises(gg.InvalidArgumentError, match=r"^c=.*inference tensor"):
+            gg.backend.gmm(t["x"], t["w"], torch.tensor(SPLITS), trans_b=True, c=buf)
+        return
+    out = list(buf.unbind(0)) if form == "wgrad_list" else buf
+    extra = {"accumulate": True} if form == "wgrad_accumulate" else {}
+    with pytest.raises(gg.InvalidArgumentError, match=r"^out(\[0\])?=.*inference tensor"):
+        _call(op, out=out, **extra)
+    with torch.inference_mode():  # where torch allows the write, the call runs
+        got = _call(op, out=out, **extra)
+    t = _operands()
+    want = {"fwd": ref_fwd(t["x"], t["w"], SPLITS), "dgrad": ref_dgrad(t["dy"], t["w"], SPLITS)}.get(op)
+    want = ref_wgrad(t["dy"], t["x"], SPLITS) if want is None else want
+    assert rel_error(torch.stack(got) if isinstance(got, list) else got, want) < 1e-6
 
 
 # Configuration from code and from the environment.

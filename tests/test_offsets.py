@@ -179,6 +179,35 @@ def test_offsets_written_in_place_are_refused(tensor, host, gen):
     assert torch.allclose(gg.grouped_gemm(x, w, gg.offsets([8, 0, 0])), x @ w[0].T)
 
 
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("parts", "argument"),
+    [
+        ((_i32([3, 0, 5]), _i32([1, 2, 8]), 8), "ends"),  # same total, other group ends
+        ((_i32([3, 0, 5]), _i32([3, 3, 8]), 9), "total"),
+        ((_i32([3, 0, 5]), _i32([3, 3, 8]), True), "total"),
+        ((_i32([3, 0, 5]), torch.tensor([3, 3, 8]), 8), "ends"),  # int64: a backend's RuntimeError
+        ((_i32([3, 0, 5]), _i32([3]), 8), "ends"),
+        ((_i32([3, 0, 5]), [3, 3, 8], 8), "ends"),  # a list: an AttributeError at the call
+        (([3, 0, 5], _i32([3, 3, 8]), 8), "splits"),
+        ((torch.tensor([3.0, 0.0, 5.0]), _i32([3, 3, 8]), 8), "splits"),
+    ],
+)
+def test_a_group_offsets_built_by_hand_must_agree_with_itself(parts, argument, gen):
+    """Backends take a GroupOffsets' ends as given: built by hand with ends that are not
+    the running sum of its splits, torch_grouped_mm routed rows by the ends and reference
+    by the splits, and neither said a word."""
+    with pytest.raises(gg.SplitsError, match=rf"^{argument}="):
+        gg.GroupOffsets(*parts)
+    x, w = torch.randn(8, 16, generator=gen), torch.randn(3, 8, 16, generator=gen)
+    offs = gg.GroupOffsets(_i32([3, 0, 5]), _i32([3, 3, 8]), 8)  # consistent parts are accepted
+    for backend in ("torch_grouped_mm", "reference"):
+        assert rel_error(gg.grouped_gemm(x, w, offs, backend=backend), ref_fwd(x, w, [3, 0, 5])) < 1e-6
+
+
 def test_offsets_built_under_inference_mode(gen):
     """Inference tensors keep no version counter (reading it raises): offsets made in
     ``torch.inference_mode`` work, and a write declared by ``gg.mark_updated`` is refused."""

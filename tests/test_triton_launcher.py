@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -427,6 +430,26 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv(launcher.ENV_LAUNCHER, "off")
     with pytest.raises(gg.ConfigError, match=launcher.ENV_LAUNCHER):
         launcher._from_env()
+    monkeypatch.setenv(launcher.ENV_LAUNCHER, " ")  # empty means unset, as for every other variable
+    assert launcher._from_env() is True
+
+
+def test_a_bad_env_value_fails_the_first_launch_not_the_import():
+    # Read at import, a typo made `import grouped_gemm` itself fail, also where no Triton
+    # kernel ever launches (every CPU call).
+    code = (
+        "import torch, grouped_gemm as gg\n"
+        "print(gg.grouped_gemm(torch.ones(4, 2), torch.ones(1, 3, 2), [4], backend='reference').sum().item())\n"
+        "from grouped_gemm import triton_launcher as launcher\n"
+        "try:\n"
+        "    launcher.set_enabled(True)\n"
+        "except gg.ConfigError as exc:\n"
+        "    print(type(exc).__name__, exc.argument)\n"
+    )
+    env = {**os.environ, launcher.ENV_LAUNCHER: "cahced"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["24.0", "ConfigError", launcher.ENV_LAUNCHER]
 
 
 def test_cache_is_bounded(monkeypatch):
