@@ -233,6 +233,17 @@ def explain(
             raise InvalidArgumentError("op", op, f"one of {', '.join(OPS)}")
         problem = call.problem()
     else:
+        # A description has no tensors: a lone b, m_splits or out (a first operand left out)
+        # would otherwise be dropped without a word.
+        for name, value in (("b", b), ("m_splits", m_splits), ("out", out)):
+            if value is not None:
+                raise InvalidArgumentError(
+                    name, value, "None without the first operand a: pass the call's tensors from a, or a description"
+                )
+        if not described:
+            raise InvalidArgumentError(
+                "explain", "no arguments", "the call's tensors (a, b, m_splits) or describe_problem's keywords"
+            )
         problem = describe_problem(op=op, recipe=recipe, out_dtype=out_dtype, accumulate=accumulate, **described)
     decision, _ = decide(problem, call_order(backend))
     return decision

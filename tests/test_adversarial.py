@@ -427,6 +427,20 @@ def test_explain_described_rejects_bad_values(change, name):
         gg.explain(**args)
 
 
+@pytest.mark.parametrize("name", ["b", "m_splits", "out"])
+def test_explain_names_an_operand_given_without_the_first(name):
+    """A description has no tensors: a ``b``, ``m_splits`` or ``out`` given without ``a``
+    is named, not dropped while the description is explained."""
+    value = {"b": torch.randn(4, 8, 8), "m_splits": [1, 1, 1, 1], "out": torch.empty(4, 8)}[name]
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^{name}="):
+        gg.explain(**{name: value}, groups=4, m=4, n=8, k=8)
+
+
+def test_explain_without_arguments_says_what_it_takes():
+    with pytest.raises(gg.InvalidArgumentError, match=r"^explain=.*describe_problem's keywords"):
+        gg.explain()
+
+
 @pytest.mark.parametrize(("dtype", "recipe"), [(torch.float16, "fp16"), ("float32", "fp32"), (None, "bf16")])
 def test_described_dtype_picks_its_plain_recipe(dtype, recipe):
     """Without recipe=, a described dtype picks its plain recipe, as a call's operands do;
