@@ -147,7 +147,7 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     pinned memory on a GPU. Call it once per step and pass the result as ``m_splits`` to
     the step's GEMMs.
     """
-    target = _target_device(device)
+    target = None if device is None else visible_device(device)
     if isinstance(m_splits, GroupOffsets):
         if target is None or target == m_splits.device:
             return m_splits
@@ -172,16 +172,16 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     return _from_host(values, target or torch.device("cpu"))
 
 
-def _target_device(device: Any) -> torch.device | None:
-    """``offsets``' ``device`` as a torch.device: a string torch cannot parse, or a GPU that
-    is not there, is named here, not in a RuntimeError from torch."""
-    if device is None:
-        return None
+def visible_device(device: Any) -> torch.device:
+    """``device`` (a torch.device, name or index) as a torch.device this process can use:
+    a value torch cannot parse, or a GPU that is not there, is named as ``device=`` here,
+    not in a RuntimeError or AssertionError from torch where the tensors move."""
     try:
         target = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
-        raise InvalidArgumentError("device", device, "a torch.device or a name such as 'cpu' or 'cuda:0'") from None
-    # A GPU this process cannot use failed in the pinned copy, with torch's RuntimeError.
+        raise InvalidArgumentError(
+            "device", device, "a torch.device, a name such as 'cpu' or 'cuda:0', or the index of a visible GPU"
+        ) from None
     if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
         raise InvalidArgumentError("device", device, f"a GPU this process sees ({torch.cuda.device_count()} visible)")
     return target

@@ -212,7 +212,13 @@ def test_backends_see_the_mx_format_in_eligibility(ops, register):
         (torch.float16, gg.InvalidTypeError, r"^device=torch.float16 is invalid: .*dequantize\(dtype\)"),
         (torch.uint8, gg.InvalidTypeError, r"^device=torch.uint8 is invalid: .*dequantize\(dtype\)"),
         (None, gg.InvalidTypeError, r"^device=None is invalid"),
-        ("gpu0", gg.InvalidArgumentError, r"^device='gpu0' is invalid: a device name such as"),
+        ("gpu0", gg.InvalidArgumentError, r"^device='gpu0' is invalid: a torch.device, a name such as"),
+        # A GPU this process does not see: torch raised its own RuntimeError / AssertionError.
+        (
+            f"cuda:{torch.cuda.device_count()}",
+            gg.InvalidArgumentError,
+            r"^device='cuda:\d+' is invalid: a GPU this process sees",
+        ),
     ],
 )
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])

@@ -22,6 +22,7 @@ import operator
 import torch
 
 from grouped_gemm.errors import DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
+from grouped_gemm.group_offsets import visible_device
 from grouped_gemm.mx.formats import BLOCK_SIZE, BLOCK_SIZES, E8M0_NAN, FORMATS, MXFormat
 
 # E2M1 magnitudes by code (sign is bit 3): OCP MX v1.0 table 5.
@@ -200,11 +201,7 @@ class MXTensor:
             raise InvalidTypeError(
                 "device", device, "a torch.device, a device name or index (for a dtype, use dequantize(dtype))"
             )
-        if isinstance(device, str):
-            try:
-                device = torch.device(device)
-            except RuntimeError:
-                raise InvalidArgumentError("device", device, "a device name such as 'cpu' or 'cuda:0'") from None
+        device = visible_device(device)
         return dataclasses.replace(self, data=self.data.to(device), scale=self.scale.to(device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
