@@ -60,7 +60,8 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
 
     A Recipe object may change a built-in recipe's ``scale_rule`` and ``grad_format``
     (e.g. ``get_recipe("mxfp8").model_copy(update={"grad_format": "e5m2"})``); its
-    name and operand formats must stay those of the built-in.
+    name and operand formats must stay those of the built-in, and ``grad_format`` stays
+    None where the built-in keeps dy in high precision (the plain recipes, a16w4).
     """
     if type(recipe) is str:  # a built-in's name, as backends ask per call: one lookup
         found = RECIPES.get(recipe)
@@ -84,6 +85,14 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
                 "recipe",
                 recipe,
                 f"a built-in recipe ({', '.join(RECIPES)}) with only scale_rule / grad_format changed",
+            )
+        if base.grad_format is None and recipe.grad_format is not None:
+            # The built-in keeps dy in high precision: no backend would quantize it.
+            raise UnknownRecipeError(
+                "recipe.grad_format",
+                recipe.grad_format,
+                f"None for {base.name}, whose dy stays in high precision (grad_format applies to "
+                f"{', '.join(r.name for r in RECIPES.values() if r.grad_format)})",
             )
         return recipe
     found = RECIPES.get(recipe) if isinstance(recipe, str) else None

@@ -158,6 +158,18 @@ def test_recipe_object_may_change_only_scale_rule_and_grad_format():
         gg.get_recipe(gg.get_recipe("mxfp8").model_copy(update={"act_format": "e2m1"}))
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp32", "a16w4"])
+def test_a_grad_format_where_dy_stays_high_precision_is_refused(name, fwd_args):
+    """No backend quantizes dy for these recipes: a grad_format set on them was accepted
+    and ignored."""
+    x, w, s = fwd_args
+    recipe = gg.get_recipe(name).model_copy(update={"grad_format": "e4m3"})
+    with pytest.raises(gg.UnknownRecipeError, match=rf"^recipe.grad_format='e4m3' is invalid: None for {name}"):
+        gg.get_recipe(recipe)
+    with pytest.raises(gg.UnknownRecipeError, match=r"^recipe.grad_format="):
+        gg.grouped_gemm(x, w, s, recipe=recipe)
+
+
 def test_errors_name_argument_value_and_allowed():
     err = gg.SplitsError("m_splits", [1, -2], "non-negative group sizes")
     assert err.argument == "m_splits"
