@@ -88,6 +88,12 @@ def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None =
         # ``out`` after the forward already ran.
         if buf.layout != torch.strided or not buf.is_contiguous():
             raise InvalidArgumentError(name, buf, "a dense contiguous tensor (wgrad adds into it in place)")
+        # Backward runs outside inference mode, where torch refuses to write an inference
+        # tensor (Dynamo cannot trace the test: compiled, backward's wgrad names it as out).
+        if not torch.compiler.is_compiling() and buf.is_inference():
+            raise InvalidArgumentError(
+                name, buf, "a tensor made outside torch.inference_mode() (backward adds wgrad into it in place)"
+            )
         if buf.dtype not in _BUF_DTYPES:
             raise DTypeError(name, buf, "dtype float32, bfloat16 or float16 (float32 as in Megatron-LM)")
         if found and buf.dtype != found[0].dtype:  # one wgrad call writes every buffer

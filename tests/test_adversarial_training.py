@@ -26,7 +26,14 @@ BAD_MAIN_GRADS: dict[str, Callable[[torch.nn.Parameter], torch.Tensor]] = {
     "expanded": lambda w: torch.zeros(1, N, K).expand(G, N, K),
     "the_weight_itself": lambda w: w.data,
     "a_view_of_the_weight": lambda w: w.data[:].view(w.shape),
+    "an_inference_tensor": lambda w: _inference_zeros(w.shape),
 }
+
+
+def _inference_zeros(shape: torch.Size) -> torch.Tensor:
+    """Made under inference mode: backward (outside it) cannot add into it in place."""
+    with torch.inference_mode():
+        return torch.zeros(shape)
 
 
 @pytest.mark.parametrize("bad", list(BAD_MAIN_GRADS))
