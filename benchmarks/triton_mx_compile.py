@@ -257,11 +257,12 @@ def _with_smem_estimate(row: dict, c, config: UpcastConfig, w_fmt: str) -> dict:
     return row
 
 
-def _narrow_copies_max(blocks: int) -> int | None:
+def _narrow_copies_max(blocks: int, warps: int) -> int | None:
     """Four blocks a step start a run, so a (row, q)'s four words are one 16-byte copy (E4M3:
-    two, its low and high halves): only the step's row scales may come in 4-byte copies (one
-    a thread)."""
-    return 1 if blocks == 4 else None
+    two, its low and high halves): only the step's row scales may come in 4-byte copies, in
+    the weight tile's row layout (four threads a row): one a thread on 4 warps, two on 8
+    (64 rows a pass over the 128-row tile)."""
+    return (1 if warps == 4 else 2) if blocks == 4 else None
 
 
 def _upcast(
@@ -311,7 +312,7 @@ def _upcast(
     capped = f" stages={stages} maxnreg={maxnreg}" if maxnreg else ""
     heights = f" SMALL={small} stages={stages}" if small else ""
     name = f"upcast {w_fmt}{decode} BM={bm} BLOCKS={blocks} FOLD={fold} warps={warps}{capped}{heights}"
-    row = _sm90_row(c, name, _narrow_copies_max(blocks))
+    row = _sm90_row(c, name, _narrow_copies_max(blocks, warps))
     if maxnreg:
         row["ok"] = row["ok"] and row["spills"] == 0
     config = UpcastConfig(bm=bm, bn=128, blocks=blocks, warps=warps, stages=stages, per_sm=1, small=small)
@@ -366,7 +367,7 @@ def _upcast_tma(w_fmt: str, mean_rows: int) -> dict:
         f"upcast {w_fmt} BM={config.bm} BLOCKS={config.blocks} FOLD=True warps={config.warps} "
         f"stages={config.stages} TMA (default at {mean_rows} rows a group)"
     )
-    row = _sm90_row(c, name, _narrow_copies_max(config.blocks))
+    row = _sm90_row(c, name, _narrow_copies_max(config.blocks, config.warps))
     # ``_sm90_row``'s checks hold as they are: its cp.async copies and 4-byte-copy count are
     # the weight's words and scales here (still pointer loads). The activation, which
     # pointer rows load by cp.async, must come by bulk tensor copies, issued before the loop
@@ -397,7 +398,7 @@ def _upcast_fused(w_fmt: str, a_fmt: str, mean_rows: int) -> dict:
         f"quantizing upcast {w_fmt} BM={config.bm} SMALL={config.small} stages={config.stages}, {a_fmt} "
         f"activations (default at {mean_rows} rows a group)"
     )
-    row = _sm90_row(c, name, _narrow_copies_max(config.blocks))
+    row = _sm90_row(c, name, _narrow_copies_max(config.blocks, config.warps))
     row["ok"] = row["counts"]["HGMMA"] > 0 and row["pipeline"]["ok"] and row["spills"] == 0
     return row
 

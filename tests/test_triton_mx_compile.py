@@ -107,4 +107,5 @@ def test_four_block_e2m1_words_copy_in_16_byte_pieces(rows):
     offset Triton cannot see is a multiple of four made them four 4-byte copies and the
     16-row decode tile issued 19 copies a step instead of 7 (Triton 3.6)."""
     four = [r for r in rows if r["kernel"].startswith("upcast e2m1") and "BLOCKS=4" in r["kernel"]]
-    assert four and all(r["counts"]["narrow_copies"] <= 1 for r in four), four
+    # The row scales' copies (the script's _narrow_copies_max): one a thread on 4 warps, two on 8.
+    assert four and all(r["counts"]["narrow_copies"] <= (1 if r["warps"] == 4 else 2) for r in four), four

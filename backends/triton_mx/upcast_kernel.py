@@ -137,13 +137,21 @@ def _step(
         tl.static_assert(W_FMT == "e2m1", "E4M3 weights are decoded four blocks a step")
         first = (k % 128) // 32
     run = (k // 128) * stride_wr
-    q = tl.arange(0, 4)[None, :, None]
-    b = first + tl.arange(0, BLOCKS)[None, None, :]
+    rows: tl.constexpr = w_rows.shape[0]
     # Word 4q + b (E2M1, layouts; E4M3's low halves, its high halves E4M3_HIGH_WORDS on: layouts_e4m3).
-    cols = run + layout_word(q, b)
-    words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
-    if W_FMT == "e4m3":
-        high = tl.load(w_rows[:, None, None] + cols + E4M3_HIGH_WORDS, mask=n_ok[:, None, None], other=0)
+    if BLOCKS == 4:
+        # A row's 16 words are contiguous: loaded as one (row, 16) tile, Triton's coalescer
+        # gives each 16-byte copy of a warp the next piece of the row (four threads a row,
+        # thread q holding word 4q + b of each block b: the wgmma layout). Loaded as a
+        # (row, q, block) tile, the 32 threads of a copy took one piece of 32 rows each,
+        # and every 32-byte sector was requested twice.
+        cols = run + tl.arange(0, 16)[None, :]
+        words = tl.load(w_rows[:, None] + cols, mask=n_ok[:, None], other=0).reshape(rows, 4, 4)
+        if W_FMT == "e4m3":
+            high = tl.load(w_rows[:, None] + cols + E4M3_HIGH_WORDS, mask=n_ok[:, None], other=0).reshape(rows, 4, 4)
+    else:
+        cols = run + layout_word(tl.arange(0, 4)[None, :, None], first + tl.arange(0, BLOCKS)[None, None, :])
+        words = tl.load(w_rows[:, None, None] + cols, mask=n_ok[:, None, None], other=0)  # row, q, block
     run_scales = tl.load(s_rows + (k // 128) * stride_sk, mask=n_ok, other=0) >> (8 * first)
     if BLOCKS == 2:
         w0, w1 = tl.split(words)
