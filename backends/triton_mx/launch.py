@@ -237,15 +237,14 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     # 0.85x against 0.68x; skewed qwen3-30B 0.79x (128 x 128: 0.83x) against 0.71x.
     if mean_rows <= 160:
         return UpcastConfig(bm=128, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
-    # Two programs a SM on the 256-row tile. Its 246 registers a thread leave room for one,
-    # so the second 132 wait and start as SMs free up: the hardware balances what the static
-    # every-132nd-tile walk leaves uneven. Kernel alone on the H200
-    # (docs/results/2026-12-04-h200-sweep-order.md), one program's time over two programs':
-    # median 1.01-1.12 for E2M1 fwd / dgrad and 1.09-1.15 for E4M3 (then on its two-block
-    # tile) over three runs of the three to seven MoE cases with this tile, balanced and
-    # skewed (the third with the default timed twice, first and last, 0.90-1.06 apart); two
-    # programs within 2 % of the best offered tile on 115 of 124 E2M1 rows.
-    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=2, tma=1)
+    # One program a SM on the 256-row tile. Two (its 246 registers leave room for one, so
+    # the second 132 waited for SMs to free up) won 1.01-1.15x on the H200 while the weight
+    # words loaded 16 bytes of 32 rows a warp copy; with the coalesced (rows, 16) load
+    # (74aabf7) one program won on 70 of 72 rows of an H100 tile sweep (kernel alone,
+    # prequantized weights, six compute-bound cases, balanced and skewed, fwd and dgrad):
+    # E4M3 1.01-1.20x, E2M1 (a16w4, mxfp4) 1.01-1.16x, the other two within 1 %
+    # (docs/performance.md, "The thirty-first session").
+    return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
 
 
 _Config = TypeVar("_Config")
