@@ -183,10 +183,10 @@ def _upcast_default(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     if w_fmt == "e4m3":
         # E4M3 takes E2M1's tiles (four blocks a step on every one: ``layouts_e4m3``), with
         # the stages it was measured at on the decode tiles. The decode-tile readings below
-        # were taken on the H200 with the int64-word layout (2026-12-04); the layouts since
-        # were timed on decode only inside calls that quantize the weight (autotuning, where
-        # the weight's preparation takes most of the time), never kernel alone
-        # (docs/performance.md, "The twenty-fifth session").
+        # were taken on the H200 with the int64-word layout (2026-12-04); with today's
+        # int32 halves and the coalesced (rows, 16) load the two-height tile reads the same
+        # (H100, kernel alone: 347.9 us against 347.5 us at 8a85f30; docs/performance.md,
+        # "The thirty-first session").
         if config.per_sm == 3:
             # E2M1's three-program 16-row tile lost to this one on E4M3 through the public
             # API (gpt-oss decode, docs/performance.md), though it won kernel alone.
@@ -242,8 +242,9 @@ def _upcast_e2m1_default(m: int, groups: int) -> UpcastConfig:
     # words loaded 16 bytes of 32 rows a warp copy; with the coalesced (rows, 16) load
     # (74aabf7) one program won on 70 of 72 rows of an H100 tile sweep (kernel alone,
     # prequantized weights, six compute-bound cases, balanced and skewed, fwd and dgrad):
-    # E4M3 1.01-1.20x, E2M1 (a16w4, mxfp4) 1.01-1.16x, the other two within 1 %
-    # (docs/performance.md, "The thirty-first session").
+    # E4M3 1.01-1.20x, E2M1 (a16w4, mxfp4) 1.01-1.16x, the other two within 1 %. Through
+    # the public API the two read alike (geometric mean 1.00-1.01 over two A/Bs; why the
+    # harnesses differ was not found): docs/performance.md, "The thirty-first session".
     return UpcastConfig(bm=256, bn=128, blocks=4, warps=8, stages=3, per_sm=1, tma=1)
 
 
