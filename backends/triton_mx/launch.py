@@ -162,6 +162,12 @@ class UpcastConfig:
 REGISTER_FILE = 65536
 
 
+#: Names the upcast kernel's speed in the MX backends' versions, so tunings stored before the
+#: coalesced weight-word load (74aabf7) and one program a SM on the 256-row tile (575751b),
+#: which timed other speeds, are not loaded (``tuning_store`` files by backend versions).
+UPCAST_REVISION = "coalesced-1sm"
+
+
 def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
     """The default upcast configuration for a problem (see the module docstring) and its
     weight format."""

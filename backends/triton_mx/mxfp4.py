@@ -20,7 +20,7 @@ class TritonMxfp4Backend(Backend):
 
     spec = BackendSpec(
         name="triton_mxfp4",
-        version=__version__,
+        version=f"{__version__}+{launch.UPCAST_REVISION}",
         description="persistent Triton MXFP4-weight grouped GEMM: dot_scaled (gfx950, sm_100), register upcast (sm_90)",
         recipes=frozenset({"mxfp4", "a8w4", "a16w4"}),
         mx_formats=frozenset({"e2m1", "e4m3"}),

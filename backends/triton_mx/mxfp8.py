@@ -28,7 +28,7 @@ class TritonMxfp8Backend(Backend):
 
     spec = BackendSpec(
         name="triton_mxfp8",
-        version=f"{__version__}+{layouts_e4m3.LAYOUT}",
+        version=f"{__version__}+{layouts_e4m3.LAYOUT}.{launch.UPCAST_REVISION}",
         description="persistent Triton MXFP8 grouped GEMM: dot_scaled (gfx950, sm_100), exact bf16 upcast (sm_90)",
         recipes=frozenset({"mxfp8"}),
         mx_formats=frozenset({"e4m3", "e5m2"}),
