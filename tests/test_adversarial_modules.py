@@ -552,3 +552,17 @@ if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
     # group still referenced (the layers hold theirs) can abort the process at random
     # ('terminate called without an active exception', about 1 run in 10 here).
     os._exit(0)
+
+
+@pytest.mark.parametrize("out", ["y", [torch.empty(7, N)], 0.0], ids=["str", "list", "float"])
+@pytest.mark.parametrize("layer", [False, True])
+def test_an_out_that_is_not_a_tensor_is_named(out, layer, gen):
+    """``grouped_linear(..., out=[t])`` and ``GroupedLinear(...)(x, s, out="y")`` failed with
+    a bare AttributeError (``'list' object has no attribute 'requires_grad'``)."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    module = gg.GroupedLinear(G, K, N, dtype=torch.float32)
+    with pytest.raises(gg.InvalidTypeError, match=r"^out="):
+        if layer:
+            module(x, SPLITS, out=out)
+        else:
+            gg.grouped_linear(x, module.weight, SPLITS, out=out)
