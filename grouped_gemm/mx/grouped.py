@@ -44,7 +44,7 @@ def quantize_mx_weight(
     if not isinstance(op, str) or op not in _WEIGHT_AXIS:
         raise InvalidArgumentError("op", op, "'fwd' (blocks along K) or 'dgrad' (blocks along N)")
     if isinstance(w, (list, tuple)):
-        if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w):
+        if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_nested for t in w):
             raise InvalidTypeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
         for i, t in enumerate(w[1:], 1):  # torch.stack would fail (or move nothing) unnamed
             if t.shape != w[0].shape:
