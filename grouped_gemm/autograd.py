@@ -212,9 +212,12 @@ def run_grouped_linear(
     m_splits = snapshot_splits(m_splits)
     if bias is not None and weights and isinstance(weights[0], torch.Tensor) and isinstance(x, torch.Tensor):
         check_layer_bias(bias, weights, x)
+    if out is not None and not isinstance(out, torch.Tensor):
+        # Read below as a tensor: a list or an array failed with a bare AttributeError.
+        raise InvalidTypeError("out", out, "a torch.Tensor of shape (M, N), or None")
     if out is not None and out.requires_grad:
         raise InvalidArgumentError("out", out, "a buffer that does not require grad (the result is written into it)")
-    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
+    if out is not None and isinstance(x, torch.Tensor) and out.dtype != x.dtype:
         # Eager, the forward wrote such a result and its backward then failed on dy's dtype;
         # compiled, it was rounded to x's dtype first: one rule for both.
         raise DTypeError("out", out, f"dtype {x.dtype}, like x (the layer's result)")

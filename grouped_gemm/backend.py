@@ -39,7 +39,7 @@ from grouped_gemm.errors import (
     SplitsError,
 )
 from grouped_gemm.group_offsets import GroupOffsets
-from grouped_gemm.validation import check_writable
+from grouped_gemm.validation import META_REFUSAL, check_writable
 
 __all__ = ["gmm"]
 
@@ -83,6 +83,8 @@ def check_matrix(value: Any, argument: str, ndim: int, dims: str) -> torch.Tenso
         raise InvalidTypeError(argument, value, f"a torch.Tensor of shape {dims}")
     if value.layout != torch.strided:
         raise InvalidTypeError(argument, value, f"a dense (strided) tensor, got layout {value.layout}")
+    if value.is_nested:  # strided layout, but its shape raises an internal torch error
+        raise InvalidArgumentError(argument, value, f"a dense tensor of shape {dims}, not a nested tensor")
     if value.dim() != ndim:
         raise ShapeError(argument, value, f"a {ndim}-D tensor of shape {dims}, got {value.dim()}-D")
     if value.dtype not in _FLOAT_DTYPES:
@@ -241,6 +243,8 @@ def gmm(
         shape, dims = (a.shape[0], b.shape[1] if trans_b else b.shape[2]), "(M, N)"
     if c is not None:
         _check_c(c, shape, dims, a, b)
+    if a.device.type == "meta":  # (b and c are on a's device) else refused as the op's dy or x
+        raise DeviceMismatchError("a", a, META_REFUSAL)
     with torch.no_grad():
         if trans_a:
             result = api.grouped_gemm_wgrad(a, b, sizes, out=c)

@@ -209,7 +209,7 @@ def as_ints(values: Sequence[Any], argument: str = "m_splits") -> list[int]:
     for i, v in enumerate(values):
         if isinstance(v, bool) or type(v).__name__ == "bool_":
             raise SplitsError(argument, values, f"integers; {argument}[{i}]={v!r} is a bool")
-        if isinstance(v, torch.Tensor) and (v.dtype not in SPLIT_DTYPES or v.numel() != 1 or v.is_meta):
+        if isinstance(v, torch.Tensor) and (v.dtype not in SPLIT_DTYPES or v.numel() != 1 or v.is_meta or v.is_nested):
             raise SplitsError(
                 argument,
                 values,

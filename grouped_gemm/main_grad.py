@@ -82,6 +82,8 @@ def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None =
             raise InvalidArgumentError(
                 name, buf, "a tensor of the weight's shape (fuse_wgrad_accumulation adds wgrad into it)"
             )
+        if buf.is_nested:  # its shape raises an internal torch error
+            raise InvalidArgumentError(name, buf, f"a dense tensor of shape {tuple(w.shape)}, not a nested tensor")
         if buf.shape != w.shape or buf.device != w.device:
             raise InvalidArgumentError(name, buf, f"shape {tuple(w.shape)} on {w.device}, like the weight")
         # Checked here, at forward, so a bad buffer is named as itself and not as wgrad's

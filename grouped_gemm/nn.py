@@ -298,6 +298,8 @@ class GroupedLinear(torch.nn.Module):
         for i, b in enumerate(biases):
             if not isinstance(b, torch.Tensor):
                 raise InvalidTypeError(f"bias{i}", b, f"a tensor of shape (out_features,)=({self.out_features},)")
+            if b.is_nested:  # its shape raises an internal torch error
+                raise InvalidArgumentError(f"bias{i}", b, f"a dense tensor of shape ({self.out_features},), not nested")
             if tuple(b.shape) != (self.out_features,):
                 raise ShapeError(f"bias{i}", b, f"shape (out_features,)=({self.out_features},)")
             if b.device != biases[0].device:

@@ -137,7 +137,7 @@ def fwd_or_dgrad(
     (G, N, K) tensor or MXTensor, or a list of G (N, K) tensors."""
     fwd = op == "fwd"
     a_arg = "x" if fwd else "dy"
-    if isinstance(a, torch.Tensor) and a.dim() == 2:
+    if isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_nested:  # (1-D parts: dim() 2)
         a_format = a.dtype
     else:
         check_operand(a, a_arg, "(M, K)" if fwd else "(M, N)")
@@ -513,6 +513,8 @@ def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str,
         return
     if not isinstance(out, torch.Tensor):
         raise InvalidTypeError("out", out, f"a torch.Tensor of shape {dims}={shape}")
+    if out.is_nested:  # its shape raises an internal torch error
+        raise InvalidArgumentError("out", out, f"a dense tensor of shape {dims}={shape}, not a nested tensor")
     if tuple(out.shape) != shape:
         raise ShapeError("out", out, f"shape {dims}={shape}")
     if out.device != device:
@@ -652,6 +654,8 @@ def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
         return
     if not isinstance(bias, torch.Tensor):
         raise InvalidTypeError("bias", bias, f"a torch.Tensor of shape (G, N)={(groups, n)} or None")
+    if bias.is_nested:  # its shape raises an internal torch error
+        raise InvalidArgumentError("bias", bias, f"a dense tensor of shape (G, N)={(groups, n)}, not a nested tensor")
     if tuple(bias.shape) != (groups, n):
         raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
     if bias.device != like.device:

@@ -79,6 +79,7 @@ def _bad_activation(rows: int, cols: int) -> list[tuple[str, Any]]:
         ("bool", good > 0),
         ("sparse_coo", good.to_sparse()),
         ("nested", _nested([good[:1], good[1:]])),
+        ("nested_rows", _nested(list(good))),  # 1-D parts: dim() is 2, as for a matrix
         ("meta", _meta((rows, cols))),
         ("requires_grad", good.clone().requires_grad_()),
         ("bf16_vs_fp32", good.bfloat16()),
@@ -127,6 +128,7 @@ BAD_SPLITS: list[tuple[str, Any]] = [
     ("tensor_bool_item", [torch.tensor(True), 5]),
     ("tensor_float_item", [torch.tensor(2.5), 4]),
     ("tensor_meta_item", [torch.tensor(2, device="meta"), 4]),
+    ("tensor_nested_item", [_nested([torch.tensor([2])]), 4]),
     ("tensor_2d", torch.tensor([[2, 4]])),
     ("tensor_float", torch.tensor([2.0, 4.0])),
     ("tensor_bool", torch.tensor([True, True])),
@@ -182,6 +184,7 @@ def _bad_out(op: str) -> list[tuple[str, Any]]:
         ("non_contiguous", torch.empty(*reversed(shape)).transpose(0, -1)),
         ("string", "out"),
         ("meta", _meta(shape)),
+        ("nested", _nested(list(torch.empty(shape)))),
     ]
     if op == "wgrad":
         buf = torch.empty(N, K)

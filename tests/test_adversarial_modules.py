@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -552,3 +553,61 @@ if __name__ == "__main__" and sys.argv[1] == "--exchange-worker":
     # group still referenced (the layers hold theirs) can abort the process at random
     # ('terminate called without an active exception', about 1 run in 10 here).
     os._exit(0)
+
+
+@pytest.mark.parametrize("out", ["y", [torch.empty(7, N)], 0.0], ids=["str", "list", "float"])
+@pytest.mark.parametrize("layer", [False, True])
+def test_an_out_that_is_not_a_tensor_is_named(out, layer, gen):
+    """``grouped_linear(..., out=[t])`` and ``GroupedLinear(...)(x, s, out="y")`` failed with
+    a bare AttributeError (``'list' object has no attribute 'requires_grad'``)."""
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    module = gg.GroupedLinear(G, K, N, dtype=torch.float32)
+    with pytest.raises(gg.InvalidTypeError, match=r"^out="):
+        if layer:
+            module(x, SPLITS, out=out)
+        else:
+            gg.grouped_linear(x, module.weight, SPLITS, out=out)
+
+
+def _nested(parts: list[torch.Tensor]) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor(parts)
+
+
+def _with_nested_bias(gen: torch.Generator) -> None:
+    x = torch.randn(sum(SPLITS), K, generator=gen)
+    gg.grouped_linear(x, torch.randn(G, N, K, generator=gen), SPLITS, bias=_nested([torch.zeros(N)] * G))
+
+
+def _with_nested_separate_bias(gen: torch.Generator) -> None:
+    layer = gg.GroupedLinear(G, K, N, dtype=torch.float32, separate_weights=True)
+    layer.bias1 = torch.nn.Parameter(_nested([torch.zeros(N)]))
+    layer(torch.randn(sum(SPLITS), K, generator=gen), SPLITS)
+
+
+def _with_nested_main_grad(gen: torch.Generator) -> None:
+    layer = gg.GroupedLinear(G, K, N, dtype=torch.float32, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = _nested([torch.zeros(N, K)] * G)
+    layer(torch.randn(sum(SPLITS), K, generator=gen, requires_grad=True), SPLITS)
+
+
+def _with_nested_weight_item(gen: torch.Generator) -> None:
+    gg.quantize_mx_weight([_nested([torch.zeros(32)] * 2)] * G, "e4m3")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "name"),
+    [
+        (_with_nested_bias, gg.InvalidArgumentError, "bias"),
+        (_with_nested_separate_bias, gg.InvalidArgumentError, "bias1"),
+        (_with_nested_main_grad, gg.InvalidArgumentError, r"weight\.main_grad"),
+        (_with_nested_weight_item, gg.InvalidTypeError, "w"),
+    ],
+    ids=["bias", "separate_bias", "main_grad", "quantize_mx_weight_list"],
+)
+def test_a_nested_tensor_is_named(call, error, name, gen):
+    """A nested tensor of 1-D parts has dim() 2 and the strided layout, so it passed the
+    rank checks and failed in torch: "NestedTensorImpl doesn't support sizes"."""
+    with pytest.raises(error, match=rf"^{name}=.*nested"):
+        call(gen)

@@ -1,20 +1,24 @@
 """Adversarial cases for the call path's fast paths: the per-M Problems of a cached route
 (``_Routed.by_m``) under concurrent calls, the weight-list and MX fast paths of validation
 (the error names the weight at fault; MX operands on the meta device), and an ``out=``
-buffer that requires grad. Each failed before its fix (d918dab); CPU only, small shapes.
+buffer that requires grad; nested and meta operands of ``gmm``. Each failed before its fix
+(d918dab and later); CPU only, small shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import pytest
 import torch
 
 import grouped_gemm as gg
 from grouped_gemm import dispatch
+from grouped_gemm.backend import gmm as backend_gmm
 from grouped_gemm.mx import MXTensor
+from grouped_gemm.ops import gmm as ops_gmm
 from grouped_gemm.testing import ref_fwd, rel_error
 
 # ---- a route's Problems per M under concurrent calls ----------------------------------------
@@ -150,3 +154,42 @@ def test_an_out_buffer_that_requires_grad_is_refused_naming_out(gen):
     out = torch.zeros(6, 3, requires_grad=True)
     with pytest.raises(gg.InvalidArgumentError, match=r"^out=.*grad"):
         gg.grouped_gemm(x, w, [2, 4], out=out)
+
+
+def _nested(parts: list[torch.Tensor]) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor(parts)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda a, b, s: backend_gmm(_nested(list(a)), b, s), "a"),
+        (lambda a, b, s: backend_gmm(a, _nested(list(b)), s), "b"),
+        (lambda a, b, s: backend_gmm(a, b, s, c=_nested([torch.zeros(3)] * 6)), "c"),
+        (lambda a, b, s: backend_gmm(a, _nested(list(a)), s, trans_a=True), "b"),
+        (lambda a, b, s: ops_gmm(_nested(list(a)), b, s), "a"),
+        (lambda a, b, s: ops_gmm(a, _nested(list(b)), s), "b"),
+    ],
+    ids=["gmm-a", "gmm-b", "gmm-c", "gmm-trans_a-b", "ops.gmm-a", "ops.gmm-b"],
+)
+def test_gmm_names_a_nested_operand(call, name, gen):
+    """A nested tensor has the strided layout, so it passed the layout check and then
+    failed in torch: "Internal error: NestedTensorImpl doesn't support sizes"."""
+    a, b = torch.randn(6, 4, generator=gen), torch.randn(2, 4, 3, generator=gen)
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^{name}=.*nested"):
+        call(a, b, torch.tensor([2, 4]))
+
+
+def test_backend_gmm_names_a_meta_a(gen):
+    """Both operands on meta were refused naming ``dy``, an argument gmm's caller never wrote."""
+    a, b = torch.randn(6, 4, generator=gen).to("meta"), torch.randn(2, 4, 3, generator=gen).to("meta")
+    with pytest.raises(gg.DeviceMismatchError, match=r"^a=.*meta"):
+        backend_gmm(a, b, torch.tensor([2, 4]))
+
+
+def test_ops_gmm_on_meta_still_infers_the_shape(gen):
+    """The differentiable entry keeps running on meta tensors (its fake kernel), for shape inference."""
+    a, b = torch.randn(6, 4, generator=gen).to("meta"), torch.randn(2, 4, 3, generator=gen).to("meta")
+    assert ops_gmm(a, b, torch.tensor([2, 4])).shape == (6, 3)

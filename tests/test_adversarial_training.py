@@ -178,3 +178,23 @@ def test_a_replaced_first_expert_weight_is_the_one_named(spoil, gen):
     layer.weight0 = torch.nn.Parameter(spoil(layer.weight0))
     with pytest.raises(gg.GroupedGemmError, match=r"^w\[0\]="):
         layer(torch.randn(9, K, generator=gen), [3, 3, 3])
+
+
+@pytest.mark.parametrize("call", ["rows", "offsets"])
+@pytest.mark.parametrize("splits", [[2, 4], torch.tensor([2, 4])], ids=["host", "tensor"])
+def test_an_align_past_int32_offsets_is_named(call, splits):
+    """``align=2**40`` failed in torch ("value cannot be converted to type int32 without
+    overflow") where the int32 row offsets were built."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^align=.*int32"):
+        if call == "rows":
+            gg.quantize_mx_rows(torch.randn(6, 32), splits, "e4m3", align=2**40)
+        else:
+            gg.mx.padded_row_offsets(splits, 6, "cpu", 2**40)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a visible GPU")
+def test_padded_row_offsets_names_a_gpu_that_is_not_there():
+    """``device="cuda"`` without a GPU failed in torch's pinned-memory copy ("pin_memory=True
+    requires a CUDA or other accelerator backend")."""
+    with pytest.raises(gg.InvalidArgumentError, match=r"^device='cuda'.*visible"):
+        gg.mx.padded_row_offsets([2, 4], 6, "cuda")

@@ -20,7 +20,7 @@ import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.group_ends import padded_row_table
-from grouped_gemm.group_offsets import GroupOffsets, host_split_ints, host_to_device
+from grouped_gemm.group_offsets import GroupOffsets, host_split_ints, host_to_device, visible_device
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_checked, scale_rule_name
@@ -28,6 +28,8 @@ from grouped_gemm.mx.tensor import MXTensor
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
+#: The row offsets are int32 (what the kernels take).
+_MAX_ROWS = 2**31 - 1
 
 
 def quantize_mx_weight(
@@ -44,7 +46,7 @@ def quantize_mx_weight(
     if not isinstance(op, str) or op not in _WEIGHT_AXIS:
         raise InvalidArgumentError("op", op, "'fwd' (blocks along K) or 'dgrad' (blocks along N)")
     if isinstance(w, (list, tuple)):
-        if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in w):
+        if not w or not all(isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_nested for t in w):
             raise InvalidTypeError("w", w, "a (G, N, K) tensor or a non-empty list of G (N, K) tensors")
         for i, t in enumerate(w[1:], 1):  # torch.stack would fail (or move nothing) unnamed
             if t.shape != w[0].shape:
@@ -144,11 +146,22 @@ def _row_layout(
     of ``sizes`` padded to ``align``; the offsets (G + 1,) int32 on ``device``.
     Host sizes: the padded sizes as a list, the rows exact, the offsets in one pinned copy.
     Device sizes: one launch (``padded_row_table``), and the rows the bound
-    ``rows + G * (align - 1)`` rounded up to ``align`` (no sync; its tail is zero rows)."""
-    if host is None:
-        offsets, padded_offsets, padded = padded_row_table(sizes, align)
-        return offsets, padded_offsets, padded, -(-(rows + sizes.numel() * (align - 1)) // align) * align
-    padded = [-(-s // align) * align for s in host]
+    ``rows + G * (align - 1)`` rounded up to ``align`` (no sync; its tail is zero rows).
+    The offsets are int32: a layout past that (a huge ``align``) is named as ``align`` here,
+    not torch's "cannot be converted to type int32" (or a gather of that many rows)."""
+    groups = sizes.numel()
+    bound = -(-(rows + groups * (align - 1)) // align) * align
+    padded = [-(-s // align) * align for s in host] if host is not None else None
+    if (sum(padded) if padded is not None else bound) > _MAX_ROWS:
+        raise InvalidArgumentError(
+            "align",
+            align,
+            f"a multiple of the block size small enough for int32 offsets: {groups} groups of {rows} rows "
+            f"padded to it exceed {_MAX_ROWS} rows",
+        )
+    if padded is None:
+        offsets, padded_offsets, padded_sizes = padded_row_table(sizes, align)
+        return offsets, padded_offsets, padded_sizes, bound
     table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded)], device)
     return table[: len(host) + 1], table[len(host) + 1 :], padded, sum(padded)
 
@@ -164,10 +177,7 @@ def padded_row_offsets(
     _check_align(align, BLOCK_SIZE)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise InvalidArgumentError("rows", rows, "a non-negative int (the token rows the splits cover)")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidArgumentError("device", device, "a torch.device or a device string such as 'cuda'") from exc
+    device = visible_device(device)  # an absent GPU failed in torch's pinned-memory copy
     host, sizes = _sizes(m_splits, rows, device)
     offsets, padded_offsets, _, padded_rows = _row_layout(host, sizes, rows, align, device)
     return offsets, padded_offsets, padded_rows
