@@ -152,7 +152,8 @@ def _row_layout(
     groups = sizes.numel()
     bound = -(-(rows + groups * (align - 1)) // align) * align
     padded = [-(-s // align) * align for s in host] if host is not None else None
-    if (sum(padded) if padded is not None else bound) > _MAX_ROWS:
+    padded_rows = sum(padded) if padded is not None else bound
+    if padded_rows > _MAX_ROWS:
         raise InvalidArgumentError(
             "align",
             align,
@@ -163,7 +164,7 @@ def _row_layout(
         offsets, padded_offsets, padded_sizes = padded_row_table(sizes, align)
         return offsets, padded_offsets, padded_sizes, bound
     table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded)], device)
-    return table[: len(host) + 1], table[len(host) + 1 :], padded, sum(padded)
+    return table[: len(host) + 1], table[len(host) + 1 :], padded, padded_rows
 
 
 def padded_row_offsets(
