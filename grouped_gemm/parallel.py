@@ -41,6 +41,7 @@ from grouped_gemm.errors import (
     ShapeError,
 )
 from grouped_gemm.nn import GroupedLinear
+from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe
 
 # name -> (gated, elementwise function). Gated activations split gate-up's output in two
@@ -51,6 +52,9 @@ ACTIVATIONS: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
     "gelu": (False, F.gelu),
     "relu": (False, F.relu),
 }
+#: Room for a recipe key in the configuration table ``_check_peers`` gathers (the longest,
+#: a built-in's name with a changed scale_rule and grad_format, has 39 bytes).
+_RECIPE_BYTES = 64
 
 
 def _exchange(
@@ -279,29 +283,38 @@ class ExpertParallelMoE(torch.nn.Module):
         """Once, before the first exchange or gather: every rank's layer must be the same
         layer. A rank with another num_experts, hidden or dtype sends sizes the others do
         not expect (gloo aborts the process; a mixed 16-bit dtype would be read as garbage),
-        another ffn or bias gathers shards that do not fit. Every rank gathers the same
-        table, so all raise together and none hangs."""
+        another ffn or bias gathers shards that do not fit; another recipe or
+        normalize_weights runs silently as another layer on that rank's experts or tokens.
+        Every rank gathers the same table, so all raise together and none hangs."""
         dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
         activations = sorted(ACTIVATIONS)
         device, dtype = self.router.weight.device, self.router.weight.dtype
-        decode = {
+        decode: dict[str, Callable[[Any], Any]] = {
             "bias": bool,
+            "normalize_weights": bool,
             "activation": activations.__getitem__,
             "dtype": lambda i: dtypes[i] if i >= 0 else "another dtype",
+            "recipe": lambda codes: bytes(codes).rstrip(b"\0").decode(),
         }
-        mine = {
+        mine: dict[str, Any] = {
             "num_experts": self.num_experts,
             "hidden": self.hidden,
             "ffn": self.ffn,
             "top_k": self.top_k,
             "bias": int(self.gate_up.use_bias),
+            "normalize_weights": int(self.normalize_weights),
             "activation": activations.index(self.activation),
             "dtype": dtypes.index(dtype) if dtype in dtypes else -1,
+            # The recipe key's bytes (a built-in's name, plus a changed scale_rule / grad_format).
+            "recipe": list(recipe_key(self.gate_up.recipe).encode().ljust(_RECIPE_BYTES, b"\0")),
         }
-        table = [torch.empty(len(mine), dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(table, torch.tensor(list(mine.values()), device=device), group=self.group)
-        for rank, theirs in enumerate(t.tolist() for t in table):
-            for (name, value), other in zip(mine.items(), theirs, strict=True):
+        row = [v for value in mine.values() for v in (value if isinstance(value, list) else [value])]
+        table = [torch.empty(len(row), dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(table, torch.tensor(row, device=device), group=self.group)
+        for rank, t in enumerate(table):
+            theirs = iter(t.tolist())
+            for name, value in mine.items():
+                other = [next(theirs) for _ in value] if isinstance(value, list) else next(theirs)
                 if value != other:
                     show = decode.get(name, int)
                     raise InvalidArgumentError(

@@ -410,6 +410,11 @@ MISMATCHES: dict[str, Callable[[int], dict]] = {
     "num_experts": lambda rank: {"num_experts": 4 + 4 * rank},
     "dtype": lambda rank: {"dtype": (torch.float32, torch.bfloat16)[rank]},
     "ffn": lambda rank: {"ffn": 6 + 2 * rank},
+    # These two ran silently: the ranks' experts or tokens computed as different layers.
+    "recipe": lambda rank: {
+        "recipe": ("mxfp8", gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor"}))[rank]
+    },
+    "normalize_weights": lambda rank: {"normalize_weights": bool(rank)},
 }
 
 
@@ -459,6 +464,7 @@ def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
                 results[f"mismatched {name}"] = "returned"
             except gg.InvalidArgumentError as e:
                 results[f"mismatched {name}"] = e.argument
+                results[f"mismatched {name} message"] = str(e)
         torch.manual_seed(0)  # the same layer on both ranks: it runs
         layer = ExpertParallelMoE(4, 8, 6, 2, dtype=torch.float32)
         results["matched"] = list(layer(torch.randn(3 + rank, 8)).shape)
@@ -474,8 +480,8 @@ def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
     as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank.
     ExpertParallelMoE layers that differ between the ranks (num_experts, dtype) made gloo
     abort the process ('Received data size doesn't match expected size'), or (ffn) gather
-    shards that do not fit; now every rank names the difference at the first forward or
-    full_state_dict."""
+    shards that do not fit, or (recipe, normalize_weights) ran as different layers, silently;
+    now every rank names the difference at the first forward or full_state_dict."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--exchange-worker"]
     procs = [
@@ -502,6 +508,8 @@ def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
         assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
     for rank, res in enumerate(results):
         assert {name: res[f"mismatched {name}"] for name in MISMATCHES} == {name: name for name in MISMATCHES}
+        other = ["mxfp8;scale_rule=floor;grad_format=e4m3", "mxfp8"][rank]
+        assert f"like rank {1 - rank}'s {other} (one layer)" in res["mismatched recipe message"], res
         assert res["matched"] == [3 + rank, 8]
     assert results[0]["received"] == [0.0, 10.0, 11.0]
     assert results[1]["received"] == [1.0, 2.0, 3.0, 4.0, 12.0, 13.0, 14.0]
