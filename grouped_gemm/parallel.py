@@ -98,6 +98,7 @@ def all_to_all(
         raise InvalidTypeError("rows", rows, "a torch.Tensor of rows to send")
     if rows.dim() == 0:
         raise ShapeError("rows", rows, "a tensor of at least one dimension (rows to send)")
+    _check_member("group", group)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise InvalidTypeError("group", group, "a torch.distributed ProcessGroup (None: the default group)")
     if group is None and not (dist.is_available() and dist.is_initialized()):
@@ -153,10 +154,28 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _check_member(name: str, group: Any) -> None:
+    """``dist.new_group`` returns the int ``GroupMember.NON_GROUP_MEMBER`` (-100) on ranks it
+    leaves out: named as such, not as "not a ProcessGroup", which hides why."""
+    if (
+        type(group) is int
+        and dist.is_available()
+        and dist.is_initialized()
+        and group == dist.GroupMember.NON_GROUP_MEMBER
+    ):
+        raise InvalidArgumentError(
+            name,
+            f"GroupMember.NON_GROUP_MEMBER ({group})",
+            f"a group this rank (global rank {dist.get_rank()}) belongs to: dist.new_group returns "
+            "NON_GROUP_MEMBER on the ranks it leaves out, which must not use the group",
+        )
+
+
 def _resolve_group(process_group: Any) -> dist.ProcessGroup | None:
     """The group to use: the given one, the default group if initialised, else None (local)."""
     if process_group is None:
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    _check_member("process_group", process_group)
     if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise InvalidTypeError("process_group", process_group, "a torch.distributed ProcessGroup or None")
     return process_group

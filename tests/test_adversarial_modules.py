@@ -439,6 +439,16 @@ def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
                 results[f"group={group!r}"] = "returned"
             except gg.InvalidTypeError as e:
                 results[f"group={group!r}"] = e.argument
+        # Rank 1 is left out of this group: new_group gives it GroupMember.NON_GROUP_MEMBER.
+        only_rank0 = dist.new_group([0])
+        for name, use in {
+            "group": lambda: all_to_all(rows, [5], [5], only_rank0).shape,
+            "process_group": lambda: ExpertParallelMoE(4, 8, 6, 2, process_group=only_rank0).world_size,
+        }.items():
+            try:
+                results[f"outside {name}"] = repr(use())
+            except gg.InvalidArgumentError as e:
+                results[f"outside {name}"] = str(e)
         for name, (send, recv, _) in BAD_EXCHANGES.items():
             try:
                 all_to_all(rows, send, recv, dist.group.WORLD)
@@ -477,7 +487,9 @@ def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
     """A negative split passed to gloo failed its bounds check and corrupted the heap
     (``malloc(): unaligned tcache chunk``, the process aborted); float, wrong-length or
     mis-summed splits failed deep in torch.distributed, a group that is not a ProcessGroup
-    as ``AttributeError: 'str' object has no attribute 'size'``. Now each is named on its rank.
+    as ``AttributeError: 'str' object has no attribute 'size'``, and a group this rank is not
+    in (``new_group``'s ``NON_GROUP_MEMBER``) as "group=-100 ... a ProcessGroup", which did
+    not say why. Now each is named on its rank.
     ExpertParallelMoE layers that differ between the ranks (num_experts, dtype) made gloo
     abort the process ('Received data size doesn't match expected size'), or (ffn) gather
     shards that do not fit, or (recipe, normalize_weights) ran as different layers, silently;
@@ -506,6 +518,11 @@ def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
     for res in results:
         assert res["group='world'"] == res["group=3"] == "group"
         assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
+    assert results[0]["outside group"] == "torch.Size([5, 3])" and results[0]["outside process_group"] == "1"
+    for name in ("group", "process_group"):
+        assert results[1][f"outside {name}"].startswith(
+            f"{name}='GroupMember.NON_GROUP_MEMBER (-100)' is invalid: a group this rank (global rank 1) belongs to"
+        ), results[1]
     for rank, res in enumerate(results):
         assert {name: res[f"mismatched {name}"] for name in MISMATCHES} == {name: name for name in MISMATCHES}
         other = ["mxfp8;scale_rule=floor;grad_format=e4m3", "mxfp8"][rank]
