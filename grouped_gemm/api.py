@@ -364,9 +364,11 @@ def reset_dispatch_stats() -> None:
 def mark_updated(*weights: Any) -> None:
     """Declare an in-place write torch did not count (``torch.distributed`` collectives,
     writes through ``.data``, numpy / DLPack aliases, writes to inference tensors) to each
-    of ``weights``: tensors, ``MXTensor``s, or lists / tuples of them. Whatever the library
-    derived from them (a pre-quantized weight's kernel layout, a frozen layer's copy,
-    ``gg.offsets``' ends) is rebuilt, or refused, on the next call (``grouped_gemm.updates``)."""
+    of ``weights``: tensors, ``MXTensor``s, or lists / tuples of them. A write is declared on
+    the tensor's memory, so one declared on a flat buffer covers every tensor on it. Whatever
+    the library derived from them (a pre-quantized weight's kernel layout, a frozen layer's
+    copy, ``gg.offsets``' ends) is rebuilt, or refused, on the next call
+    (``grouped_gemm.updates``)."""
     count_writes(list(_written_tensors(weights, "weights")))
 
 

@@ -191,8 +191,9 @@ class GroupedLinear(torch.nn.Module):
 
         Updates are not seen until this is called again: a forward refuses to run when a
         weight changed in place or was replaced since (``_version`` / storage / identity;
-        writes torch does not count, such as ``torch.distributed`` collectives or writes
-        through ``.data``, escape that check unless declared with ``gg.mark_updated``, and
+        writes torch does not count, such as ``torch.distributed`` collectives, writes
+        through ``.data`` or into a buffer the weights are ``.data`` views of, escape that
+        check unless declared with ``gg.mark_updated`` (on the weights or the buffer), and
         a CUDA graph replay runs no Python check at all), and refuses to run while the
         weights require grad under grad mode
         (an optimizer would make the copy stale). ``backward=True`` also quantizes dgrad's

@@ -345,6 +345,28 @@ def test_mx_frozen_weights_refuse_a_declared_untracked_write(on_reference, gen):
     assert torch.equal(layer(x, splits), 2 * before)
 
 
+@pytest.mark.parametrize("declare", ["buffer", "weight.data"])
+def test_mx_frozen_weights_refuse_a_write_declared_on_the_weights_memory(on_reference, gen, declare):
+    """Weights that are views of a flat buffer (``weight.data = buffer[...]``, as
+    Megatron-LM's DDP lays them out) and a broadcast into the buffer: ``gg.mark_updated(buffer)``,
+    or of ``weight.data``, marked only the tensor object given, so the frozen layer kept
+    running its copy of the old weights, silently. Declared writes now count per memory."""
+    layer = _mx_layer(bias=False).requires_grad_(False)
+    buffer = torch.zeros(8 + layer.weight.numel(), dtype=layer.weight.dtype)
+    buffer[8:] = layer.weight.detach().flatten()
+    layer.weight.data = buffer[8:].view(layer.weight.shape)
+    x = torch.randn(48, 64, generator=gen).bfloat16()
+    splits = [16, 0, 24, 8]
+    layer.freeze_quantized_weights()
+    before = layer(x, splits)
+    buffer.data.mul_(2)  # not counted by torch (a torch.distributed broadcast is not either)
+    gg.mark_updated(buffer if declare == "buffer" else layer.weight.data)
+    with pytest.raises(gg.InvalidArgumentError, match="freeze_quantized_weights"):
+        layer(x, splits)
+    layer.freeze_quantized_weights()
+    assert torch.equal(layer(x, splits), 2 * before)  # scaling by 2 is exact in MX
+
+
 def test_mx_frozen_weights_refuse_weights_replaced_at_a_reused_address(on_reference, gen):
     """``weight.data = new`` twice (loading checkpoints) could hand the second replacement
     the freed address of the weights the copy was made from; the stamp then matched and the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -19,6 +21,33 @@ def test_declared_writes_move_the_stamp_of_each_tensor_given():
     assert after[1] == before[1]  # not named: unchanged
     a.add_(1)  # a write torch counts moves it too
     assert write_stamp(a) != after[0]
+
+
+def test_a_write_declared_on_memory_moves_the_stamp_of_every_tensor_on_it():
+    """Declared writes were counted per tensor object: ``mark_updated(buffer)`` left a
+    parameter whose ``.data`` is a view of the buffer unmarked, and ``mark_updated(p.data)``
+    marked a temporary alias of ``p``."""
+    buffer, other = torch.zeros(10), torch.zeros(4)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.data = buffer[2:6]  # p's version counter does not see writes to buffer
+    before = write_stamp(p), write_stamp(other)
+    gg.mark_updated(buffer)
+    assert write_stamp(p) != before[0] and write_stamp(other) == before[1]
+    middle = write_stamp(p)
+    gg.mark_updated(p.data)
+    assert write_stamp(p) != middle and write_stamp(buffer) == write_stamp(p)
+
+
+def test_a_declared_write_is_forgotten_with_its_memory():
+    from grouped_gemm import updates
+
+    t = torch.zeros(3)
+    gg.mark_updated(t[1:])
+    key = ("storage", t.untyped_storage()._cdata)
+    assert key in updates._declared
+    del t
+    gc.collect()
+    assert key not in updates._declared
 
 
 def test_inference_tensors_have_a_stamp():
