@@ -43,6 +43,7 @@ from grouped_gemm.errors import (
 from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe
+from grouped_gemm.validation import META_REFUSAL
 
 # name -> (gated, elementwise function). Gated activations split gate-up's output in two
 # halves, ``act(gate) * up``, so gate-up has ``2 * ffn`` outputs.
@@ -55,6 +56,7 @@ ACTIVATIONS: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
 #: Room for a recipe key in the configuration table ``_check_peers`` gathers (the longest,
 #: a built-in's name with a changed scale_rule and grad_format, has 39 bytes).
 _RECIPE_BYTES = 64
+_EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _exchange(
@@ -266,6 +268,16 @@ class ExpertParallelMoE(torch.nn.Module):
             raise DTypeError("x", x, f"dtype {param.dtype}, the layer's parameter dtype")
         if x.device != param.device:
             raise DeviceMismatchError("x", x, f"a tensor on {param.device}, where the layer's parameters are")
+        # Both failed only in the experts, after the exchange, naming the dispatched rows as x.
+        if x.is_meta:
+            raise DeviceMismatchError("x", x, META_REFUSAL)
+        if param.dtype not in _EXPERT_DTYPES:
+            raise DTypeError(
+                "router.weight",
+                param,
+                "parameters in bfloat16, float16 or float32 (what the experts compute in); "
+                f"the layer was cast to {param.dtype}",
+            )
 
     def route(self, x: torch.Tensor) -> Routing:
         """Route this rank's tokens and exchange the row counts with the other ranks."""

@@ -363,6 +363,19 @@ def test_single_process_without_a_group_checks_its_arguments():
         layer.load_full_state_dict({**state, "down.weight": state["down.weight"][:3]})
 
 
+def test_an_input_the_experts_cannot_take_is_named_before_routing():
+    """A meta x, or a layer cast to float64 (``.double()``), passed the input check and failed
+    in the experts, after the exchange, as an error about x=Tensor(shape=(T * top_k, hidden))
+    (the dispatched rows); now named as the caller's x / the layer's parameters."""
+    with pytest.raises(gg.DeviceMismatchError, match=rf"^x=Tensor\(shape=\(3, {HIDDEN}\).*meta"):
+        ExpertParallelMoE(4, HIDDEN, FFN, 2, recipe="fp32", device="meta")(torch.randn(3, HIDDEN, device="meta"))
+    layer = ExpertParallelMoE(4, HIDDEN, FFN, 2).double()
+    with pytest.raises(gg.DTypeError, match=r"^router.weight=.*float32 .*cast to torch.float64"):
+        layer(torch.randn(3, HIDDEN, dtype=torch.float64))
+    layer.float()  # cast back: it runs again
+    assert layer(torch.randn(3, HIDDEN)).shape == (3, HIDDEN)
+
+
 def test_load_full_state_dict_names_a_tensor_of_the_wrong_shape_dtype_or_device():
     """Each used to reach ``load_state_dict``: a wrong shape raised torch's RuntimeError,
     a meta tensor "Cannot copy out of meta tensor", an integer tensor was cast silently."""
