@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import weakref
 from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from grouped_gemm.autograd import run_grouped_linear
 from grouped_gemm.errors import DeviceMismatchError, DTypeError, InvalidArgumentError, InvalidTypeError, ShapeError
 from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipe_codec import recipe_from_key, recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
-from grouped_gemm.updates import write_stamp
+from grouped_gemm.updates import count_writes, write_stamp
 from grouped_gemm.vocabulary import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
@@ -81,6 +84,33 @@ class FrozenWeights:
 def _stamp(weights: list[torch.nn.Parameter]) -> tuple[tuple[int, int, tuple[int, int]], ...]:
     """Identity, storage and in-place writes (``write_stamp``) of each weight."""
     return tuple((id(w), w.data_ptr(), write_stamp(w)) for w in weights)
+
+
+#: Layers that froze quantized weights, for ``_declare_optimizer_writes``.
+_frozen_layers: weakref.WeakSet[GroupedLinear] = weakref.WeakSet()
+_step_hook_lock = threading.Lock()
+_step_hook: Any = None
+
+
+def _declare_optimizer_writes(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer step: fused steps (``torch.optim.Adam(fused=True)``, multi-tensor
+    kernels of other libraries) write the parameters without bumping their version, which
+    left a frozen copy looking current. Declare the write on the frozen layers' weights that
+    this optimizer holds; a cost per step only while some layer is frozen."""
+    layers = [layer for layer in list(_frozen_layers) if layer._frozen is not None]
+    if not layers:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    count_writes([w for layer in layers for w in layer.weights if id(w) in held])
+
+
+def _watch_optimizer_steps(layer: GroupedLinear) -> None:
+    """Have every optimizer step check ``layer`` (the global hook is registered once)."""
+    global _step_hook
+    with _step_hook_lock:
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_post_hook(_declare_optimizer_writes)
+        _frozen_layers.add(layer)
 
 
 class GroupedLinear(torch.nn.Module):
@@ -193,7 +223,8 @@ class GroupedLinear(torch.nn.Module):
         weight changed in place or was replaced since (``_version`` / storage / identity;
         writes torch does not count, such as ``torch.distributed`` collectives, writes
         through ``.data`` or into a buffer the weights are ``.data`` views of, escape that
-        check unless declared with ``gg.mark_updated`` (on the weights or the buffer), and
+        check unless declared with ``gg.mark_updated`` (on the weights or the buffer); every
+        ``torch.optim`` step declares its write on the frozen weights it holds, fused or not; and
         a CUDA graph replay runs no Python check at all), and refuses to run while the
         weights require grad under grad mode
         (an optimizer would make the copy stale). ``backward=True`` also quantizes dgrad's
@@ -234,6 +265,7 @@ class GroupedLinear(torch.nn.Module):
                 for op in ops
             }
         self._frozen = FrozenWeights(quantized, _stamp(weights), tuple(p.detach() for p in weights))
+        _watch_optimizer_steps(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, torch.save) has new weights, which a frozen copy's stamp cannot
@@ -254,6 +286,7 @@ class GroupedLinear(torch.nn.Module):
             self._frozen = dataclasses.replace(
                 frozen, stamp=_stamp(weights), sources=tuple(p.detach() for p in weights)
             )
+            _watch_optimizer_steps(self)
 
     def unfreeze_quantized_weights(self) -> None:
         """Drop the frozen copy: forwards quantize the current weights per call again."""
