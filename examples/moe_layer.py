@@ -3,9 +3,9 @@
 Router -> top-k -> permute tokens by expert -> GroupedLinear gate-up -> SwiGLU ->
 GroupedLinear down -> unpermute (weighted by the router). The student block learns to
 match a fixed random teacher block on one batch of tokens; the loss printed falls. At the end it
-prints which backends ran each grouped GEMM (``gg.dispatch_stats()``): on a CPU the
-CPU-capable backend that ranks first (``padded_bmm`` when that plugin is installed, else
-``torch_grouped_mm``), the fast backends on a GPU.
+prints which backends ran each grouped GEMM (``gg.dispatch_stats()``): on a CPU
+``torch_grouped_mm`` (priority 5 there, above the ``padded_bmm`` plugin's 2), the fast
+backends on a GPU.
 
     python examples/moe_layer.py                  # CPU: bf16, a few seconds
     python examples/moe_layer.py --device cuda    # GPU: the same, on the fast backends

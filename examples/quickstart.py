@@ -1,7 +1,8 @@
 """Quickstart: grouped GEMMs for an MoE layer, the routing decision, a fallback warning.
 
-Runs anywhere: on a CPU a CPU-capable backend (``torch_grouped_mm``, or the ``padded_bmm``
-plugin when installed) does the work; on a GPU the fast backends do.
+Runs anywhere: on a CPU ``torch_grouped_mm`` does the work, except the wgrad into an fp32
+``main_grad`` (it writes only its inputs' dtype), which runs on the ``padded_bmm`` plugin when
+installed, else on ``reference``; on a GPU the fast backends do.
 python examples/quickstart.py
 """
 
