@@ -33,20 +33,6 @@ OrderLike = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 #: An order as stored: sorted ((recipe or "*", (names...)), ...) pairs, hashable.
 Order = tuple[tuple[str, tuple[str, ...]], ...]
 
-ENV_VARS = {
-    "GROUPED_GEMM_BACKENDS": "backend order, e.g. 'torch_grouped_mm,reference' or "
-    "'mxfp4:triton_mxfp4,reference;bf16:torch_grouped_mm,multistream'",
-    "GROUPED_GEMM_WARN_FALLBACK": "1 to emit a FallbackWarning whenever a preferred backend is skipped",
-    "GROUPED_GEMM_STRICT": "1 to raise instead of falling back when named backends cannot run",
-    "GROUPED_GEMM_LOG_LEVEL": "level of the 'grouped_gemm' logger (DEBUG shows every decision)",
-    "GROUPED_GEMM_CHECK_SPLITS": "1 to assert on the device that device-resident m_splits are "
-    "non-negative and sum to M (asynchronous, no host sync)",
-    "GROUPED_GEMM_AUTOTUNE": "1 to time the eligible backends on a problem's first call and keep the fastest "
-    "(instead of declared priority), persisted under GROUPED_GEMM_CACHE_DIR/autotune",
-    "GROUPED_GEMM_DISABLE_PLUGIN_AUTOLOAD": "1 to skip entry-point plugins (built-ins still load)",
-    "GROUPED_GEMM_DEBUG": "1 to check every backend call: inputs not modified in place (tensor versions)",
-}
-
 
 class Settings(BaseModel):
     """The configurable values; ``None`` for ``backends`` means "no preference".

@@ -18,7 +18,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm.bench import ceilings, environment, plot, report
 from grouped_gemm.bench.runner import MX_WEIGHTS, BenchOptions, Sweep
-from grouped_gemm.bench.shapes import SPLIT_KINDS, parse_list, select_cases
+from grouped_gemm.bench.shapes import CPU_SCALE, SPLIT_KINDS, default_scale, parse_list, select_cases
 from grouped_gemm.bench.timing import TimingPlan
 from grouped_gemm.errors import InvalidArgumentError
 from grouped_gemm.problem import OPS
@@ -28,9 +28,6 @@ from grouped_gemm.tools import Progress, add_device_option, add_seed_option, tor
 # the CPU defaults keep a smoke run within seconds.
 _GPU_PLAN = TimingPlan(warmup_ms=25.0, rep_ms=150.0, min_reps=10, max_reps=400, rounds=5)
 _CPU_PLAN = TimingPlan(warmup_ms=2.0, rep_ms=20.0, min_reps=3, max_reps=20, rounds=1)
-#: Full-size MoE shapes take about half an hour on a CPU; by default a CPU run scales them
-#: down to a smoke run of a minute or two.
-_CPU_SCALE = 0.01
 #: MX recipes on a CPU run Triton kernels in its interpreter, minutes per problem with many
 #: groups, so a CPU run without --cases takes one case with few groups.
 _CPU_MX_CASES = "mixtral_down"
@@ -50,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="eligible",
         help="'eligible' (every eligible backend except the slow reference), 'all', or comma-separated names",
     )
-    p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {_CPU_SCALE} on the CPU)")
+    p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {CPU_SCALE} on the CPU)")
     p.add_argument(
         "--rows-per-group",
         help="comma-separated token counts per expert: run each case at M = count x G instead of its own M",
@@ -132,7 +129,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
     _check_out_path(args.plot, "plot", make_parent=True)
     device = torch_device(args.device)
     cpu = device.type == "cpu"
-    scale = args.scale if args.scale is not None else (_CPU_SCALE if cpu else 1.0)
+    scale = default_scale(args.scale, cpu)
     recipes = tuple(parse_list(args.recipe, "recipe", tuple(gg.RECIPES)))
     cases = args.cases
     if cases is None:

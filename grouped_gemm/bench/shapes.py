@@ -79,6 +79,18 @@ def all_cases() -> tuple[Case, ...]:
 MAX_ROWS_PER_GROUP = 1 << 16
 
 
+#: Full-size MoE shapes take about half an hour on a CPU; by default a CPU run (bench, tune)
+#: scales them down to a smoke run of a minute or two.
+CPU_SCALE = 0.01
+
+
+def default_scale(scale: float | None, cpu: bool) -> float:
+    """``--scale`` as given, else 1 on a GPU and ``CPU_SCALE`` on the CPU."""
+    if scale is not None:
+        return scale
+    return CPU_SCALE if cpu else 1.0
+
+
 def select_cases(spec: str, scale: float = 1.0, rows_per_group: str | None = None) -> list[Case]:
     """Cases named by ``spec``: ``"all"`` or comma-separated names, scaled by ``scale``;
     with ``rows_per_group`` (comma-separated positive ints) each case once per token count

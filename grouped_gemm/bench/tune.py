@@ -20,7 +20,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm import autotune, tuning_store
 from grouped_gemm.bench.operands import DTYPES, operand_shapes
-from grouped_gemm.bench.shapes import SPLIT_KINDS, Case, parse_list, select_cases
+from grouped_gemm.bench.shapes import CPU_SCALE, SPLIT_KINDS, Case, default_scale, parse_list, select_cases
 from grouped_gemm.problem import OPS, Op
 from grouped_gemm.tools import add_device_option, add_seed_option, torch_device
 
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated: fwd, dgrad, wgrad")
     p.add_argument("--splits", default="balanced,skewed", help="comma-separated: balanced, skewed")
     p.add_argument("--recipe", default="bf16", help=f"comma-separated recipes: {', '.join(gg.RECIPES)}")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply M, N, K (0.01: a CPU smoke run)")
+    p.add_argument("--scale", type=float, help=f"multiply M, N, K (default 1 on a GPU, {CPU_SCALE} on the CPU)")
     add_device_option(p)
     add_seed_option(p)
     p.add_argument("--show", action="store_true", help="print the stored choices instead of tuning")
@@ -86,7 +86,7 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 
 def _tune(args: argparse.Namespace) -> int:
     device = torch_device(args.device)
-    cases = select_cases(args.cases, args.scale)
+    cases = select_cases(args.cases, default_scale(args.scale, device.type == "cpu"))
     ops = parse_list(args.ops, "ops", OPS)
     kinds = parse_list(args.splits, "splits", SPLIT_KINDS)
     recipes = parse_list(args.recipe, "recipe", tuple(gg.RECIPES))
