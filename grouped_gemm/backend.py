@@ -39,7 +39,7 @@ from grouped_gemm.errors import (
     SplitsError,
 )
 from grouped_gemm.group_offsets import GroupOffsets
-from grouped_gemm.validation import META_REFUSAL, check_writable
+from grouped_gemm.validation import META_REFUSAL, check_tensor, check_writable
 
 __all__ = ["gmm"]
 
@@ -83,10 +83,7 @@ def check_matrix(value: Any, argument: str, ndim: int, dims: str) -> torch.Tenso
         raise InvalidTypeError(argument, value, f"a torch.Tensor of shape {dims}")
     if value.layout != torch.strided:
         raise InvalidTypeError(argument, value, f"a dense (strided) tensor, got layout {value.layout}")
-    if value.is_nested:  # strided layout, but its shape raises an internal torch error
-        raise InvalidArgumentError(argument, value, f"a dense tensor of shape {dims}, not a nested tensor")
-    if value.dim() != ndim:
-        raise ShapeError(argument, value, f"a {ndim}-D tensor of shape {dims}, got {value.dim()}-D")
+    check_tensor(value, argument, ndim, dims)
     if value.dtype not in _FLOAT_DTYPES:
         raise DTypeError(argument, value, f"dtype bfloat16, float16 or float32, got {value.dtype}")
     return value

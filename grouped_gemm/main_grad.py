@@ -16,7 +16,7 @@ import torch
 from grouped_gemm import api
 from grouped_gemm.errors import DTypeError, InvalidArgumentError
 from grouped_gemm.recipes import Recipe
-from grouped_gemm.validation import Region, first_overlap
+from grouped_gemm.validation import Region, first_overlap, refuse_nested
 
 _placeholders: dict[tuple, torch.Tensor] = {}
 _BUF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,8 +82,7 @@ def main_grads(weights: Sequence[torch.Tensor], trained: Sequence[bool] | None =
             raise InvalidArgumentError(
                 name, buf, "a tensor of the weight's shape (fuse_wgrad_accumulation adds wgrad into it)"
             )
-        if buf.is_nested:  # its shape raises an internal torch error
-            raise InvalidArgumentError(name, buf, f"a dense tensor of shape {tuple(w.shape)}, not a nested tensor")
+        refuse_nested(name, buf, str(tuple(w.shape)))
         if buf.shape != w.shape or buf.device != w.device:
             raise InvalidArgumentError(name, buf, f"shape {tuple(w.shape)} on {w.device}, like the weight")
         # Checked here, at forward, so a bad buffer is named as itself and not as wgrad's

@@ -23,6 +23,7 @@ from grouped_gemm.mx import MXTensor, quantize_mx_weight
 from grouped_gemm.recipe_codec import recipe_from_key, recipe_key
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.updates import count_writes, write_stamp
+from grouped_gemm.validation import refuse_nested
 from grouped_gemm.vocabulary import dtype_name
 
 _MX_DEFAULT_DTYPE = torch.bfloat16
@@ -332,8 +333,7 @@ class GroupedLinear(torch.nn.Module):
         for i, b in enumerate(biases):
             if not isinstance(b, torch.Tensor):
                 raise InvalidTypeError(f"bias{i}", b, f"a tensor of shape (out_features,)=({self.out_features},)")
-            if b.is_nested:  # its shape raises an internal torch error
-                raise InvalidArgumentError(f"bias{i}", b, f"a dense tensor of shape ({self.out_features},), not nested")
+            refuse_nested(f"bias{i}", b, f"({self.out_features},)")
             if tuple(b.shape) != (self.out_features,):
                 raise ShapeError(f"bias{i}", b, f"shape (out_features,)=({self.out_features},)")
             if b.device != biases[0].device:

@@ -292,11 +292,17 @@ def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor
 # ---- operands -----------------------------------------------------------------------------
 
 
+def refuse_nested(argument: str, value: torch.Tensor, dims: str) -> None:
+    """A nested tensor has the strided layout and a dim() that counts its components' dims
+    plus one, so it passes layout and rank checks; its shape then raises inside torch."""
+    if value.is_nested:
+        raise InvalidArgumentError(argument, value, f"a dense tensor of shape {dims}, not a nested tensor")
+
+
 def check_tensor(value: Any, argument: str, ndim: int, dims: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidTypeError(argument, value, f"a torch.Tensor of shape {dims}")
-    if value.is_nested:  # its dim() counts the components' dims plus one; its shape raises
-        raise InvalidArgumentError(argument, value, f"a dense tensor of shape {dims}, not a nested tensor")
+    refuse_nested(argument, value, dims)
     if value.dim() != ndim:
         raise ShapeError(argument, value, f"a {ndim}-D tensor of shape {dims}, got {value.dim()}-D")
     return value
@@ -513,8 +519,7 @@ def check_out(out: Any, shape: tuple[int, ...], device: torch.device, dims: str,
         return
     if not isinstance(out, torch.Tensor):
         raise InvalidTypeError("out", out, f"a torch.Tensor of shape {dims}={shape}")
-    if out.is_nested:  # its shape raises an internal torch error
-        raise InvalidArgumentError("out", out, f"a dense tensor of shape {dims}={shape}, not a nested tensor")
+    refuse_nested("out", out, f"{dims}={shape}")
     if tuple(out.shape) != shape:
         raise ShapeError("out", out, f"shape {dims}={shape}")
     if out.device != device:
@@ -654,8 +659,7 @@ def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
         return
     if not isinstance(bias, torch.Tensor):
         raise InvalidTypeError("bias", bias, f"a torch.Tensor of shape (G, N)={(groups, n)} or None")
-    if bias.is_nested:  # its shape raises an internal torch error
-        raise InvalidArgumentError("bias", bias, f"a dense tensor of shape (G, N)={(groups, n)}, not a nested tensor")
+    refuse_nested("bias", bias, f"(G, N)={(groups, n)}")
     if tuple(bias.shape) != (groups, n):
         raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
     if bias.device != like.device:
