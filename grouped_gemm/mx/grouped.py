@@ -150,9 +150,11 @@ def _row_layout(
     The offsets are int32: a layout past that (a huge ``align``) is named as ``align`` here,
     not torch's "cannot be converted to type int32" (or a gather of that many rows)."""
     groups = sizes.numel()
-    bound = -(-(rows + groups * (align - 1)) // align) * align
-    padded = [-(-s // align) * align for s in host] if host is not None else None
-    padded_rows = sum(padded) if padded is not None else bound
+    if host is None:
+        padded, padded_rows = None, -(-(rows + groups * (align - 1)) // align) * align
+    else:
+        padded = [-(-s // align) * align for s in host]
+        padded_rows = sum(padded)
     if padded_rows > _MAX_ROWS:
         raise InvalidArgumentError(
             "align",
@@ -162,7 +164,7 @@ def _row_layout(
         )
     if padded is None:
         offsets, padded_offsets, padded_sizes = padded_row_table(sizes, align)
-        return offsets, padded_offsets, padded_sizes, bound
+        return offsets, padded_offsets, padded_sizes, padded_rows
     table = host_to_device([0, *itertools.accumulate(host), 0, *itertools.accumulate(padded)], device)
     return table[: len(host) + 1], table[len(host) + 1 :], padded, padded_rows
 
