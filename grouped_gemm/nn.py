@@ -97,11 +97,13 @@ def _declare_optimizer_writes(optimizer: torch.optim.Optimizer, args: Any, kwarg
     """After any optimizer step: fused steps (``torch.optim.Adam(fused=True)``, multi-tensor
     kernels of other libraries) write the parameters without bumping their version, which
     left a frozen copy looking current. Declare the write on the frozen layers' weights that
-    this optimizer holds; a cost per step only while some layer is frozen."""
+    this optimizer holds and updated (torch.optim steps skip parameters without a grad, so
+    experts frozen with ``requires_grad_(False)`` beside trained ones keep their copy); a
+    cost per step only while some layer is frozen."""
     layers = [layer for layer in list(_frozen_layers) if layer._frozen is not None]
     if not layers:
         return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     count_writes([w for layer in layers for w in layer.weights if id(w) in held])
 
 

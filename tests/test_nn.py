@@ -372,17 +372,19 @@ def test_mx_frozen_weights_refuse_a_fused_optimizer_step(on_reference, gen, opti
     """A fused optimizer step (``fused=True``) writes the weights without bumping their
     version: a layer frozen between backward and step (to evaluate) kept running its copy of
     the old weights after the step, silently. Every optimizer step now declares the write on
-    the frozen weights it holds (and only on those)."""
+    the frozen weights it holds and updated (and only on those)."""
     layer = _mx_layer(bias=False)
     bystander = _mx_layer(bias=False).requires_grad_(False)  # frozen, in no optimizer
-    step = getattr(torch.optim, optimizer)(layer.parameters(), lr=0.5, fused=True)
+    untrained = _mx_layer(bias=False).requires_grad_(False)  # frozen, held, no grad: not stepped
+    step = getattr(torch.optim, optimizer)([*layer.parameters(), *untrained.parameters()], lr=0.5, fused=True)
     x = torch.randn(48, 64, generator=gen).bfloat16()
     splits = [16, 0, 24, 8]
     layer(x, splits).float().square().sum().backward()
     layer.freeze_quantized_weights()
     bystander.freeze_quantized_weights()
+    untrained.freeze_quantized_weights()
     with torch.no_grad():
-        before, other = layer(x, splits), bystander(x, splits)
+        before, other, kept = layer(x, splits), bystander(x, splits), untrained(x, splits)
     version = layer.weight._version
     step.step()
     assert layer.weight._version == version  # what the frozen layer's check could not see
@@ -390,6 +392,7 @@ def test_mx_frozen_weights_refuse_a_fused_optimizer_step(on_reference, gen, opti
         with pytest.raises(gg.InvalidArgumentError, match="freeze_quantized_weights"):
             layer(x, splits)
         assert torch.equal(bystander(x, splits), other)
+        assert torch.equal(untrained(x, splits), kept)
         layer.freeze_quantized_weights()
         after = layer(x, splits)
     assert torch.equal(after, gg.grouped_gemm(x, layer.weight.detach(), splits, recipe=layer.recipe))
