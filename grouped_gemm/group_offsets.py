@@ -23,7 +23,7 @@ import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, SplitsError
 from grouped_gemm.group_ends import copy_and_ends, group_ends
-from grouped_gemm.updates import write_stamp
+from grouped_gemm.updates import DECLARED, write_stamp
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 
@@ -57,6 +57,8 @@ class GroupOffsets:
     ends: torch.Tensor
     total: int | None
     versions: tuple[tuple[int, int], tuple[int, int]] = dataclasses.field(init=False, repr=False)
+    #: torch's own write counts of ``splits`` and ``ends`` when built (``versions``' first halves).
+    torch_versions: tuple[int, int] = dataclasses.field(init=False, repr=False)
     #: Where ``GroupedInputs.offsets`` files ``ends``: (device, int32), built once.
     ends_key: tuple[torch.device, torch.dtype] = dataclasses.field(init=False, repr=False)
     #: The tensors' device and the group count, read once: every call given these offsets
@@ -70,7 +72,9 @@ class GroupOffsets:
 
     def _read_facts(self) -> None:
         """The write stamps, device and group count, read once when built."""
-        object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
+        versions = (write_stamp(self.splits), write_stamp(self.ends))
+        object.__setattr__(self, "versions", versions)
+        object.__setattr__(self, "torch_versions", (versions[0][0], versions[1][0]))
         device = self.splits.device
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "groups", self.splits.shape[0])
@@ -79,6 +83,14 @@ class GroupOffsets:
     def written(self) -> bool:
         """Whether ``splits`` or ``ends`` was written in place since they were built (as
         torch counts writes, or ``gg.mark_updated`` declares them)."""
+        if not DECLARED:
+            # No write declared anywhere, so none to these tensors, then or now (an entry
+            # lives as long as its storage): torch's counts decide, without two
+            # ``write_stamp`` frames (every call given offsets asks, issue 14).
+            try:
+                return (self.splits._version, self.ends._version) != self.torch_versions
+            except RuntimeError:  # inference tensors keep no count: write_stamp says so
+                pass
         return (write_stamp(self.splits), write_stamp(self.ends)) != self.versions
 
     def __len__(self) -> int:

@@ -24,8 +24,10 @@ import torch
 # tensor on it, such as parameters whose ``.data`` is a view of the buffer (Megatron-LM's
 # DDP; their own version counters do not see the buffer's writes) and ``.data`` aliases.
 # An entry is dropped when its storage is freed (so a key reused later starts from none).
-# Not a WeakKeyDictionary: storages compare by value, not identity.
-_declared: dict[tuple[str, int], int] = {}
+# Not a WeakKeyDictionary: storages compare by value, not identity. Empty until the first
+# ``gg.mark_updated``: hot paths that find it empty compare torch's counts alone
+# (``GroupOffsets.written``). Mutated in place, never rebound.
+DECLARED: dict[tuple[str, int], int] = {}
 _lock = threading.Lock()
 
 
@@ -44,9 +46,9 @@ def count_writes(tensors: Iterable[torch.Tensor]) -> None:
     with _lock:
         for t in tensors:
             key, owner = _owner(t)
-            if key not in _declared:
-                weakref.finalize(owner, _declared.pop, key, None)
-            _declared[key] = _declared.get(key, 0) + 1
+            if key not in DECLARED:
+                weakref.finalize(owner, DECLARED.pop, key, None)
+            DECLARED[key] = DECLARED.get(key, 0) + 1
 
 
 def write_stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -57,4 +59,4 @@ def write_stamp(t: torch.Tensor) -> tuple[int, int]:
         version = t._version
     except RuntimeError:  # an inference tensor (tested this way: no extra call on the hot path)
         version = -1
-    return version, (_declared.get(_owner(t)[0], 0) if _declared else 0)
+    return version, (DECLARED.get(_owner(t)[0], 0) if DECLARED else 0)

@@ -11,8 +11,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import grouped_gemm as gg
 from grouped_gemm import group_ends as group_ends_module
+from grouped_gemm import group_offsets, updates, validation
 from grouped_gemm import inputs as inputs_module
-from grouped_gemm import validation
 from grouped_gemm.testing import poison, ref_dgrad, ref_fwd, ref_wgrad, rel_error
 
 SPLIT_CASES = [[5], [0, 0, 7], [3, 0, 9, 0, 1], [0], [16, 16, 16, 16]]
@@ -164,12 +164,26 @@ def test_group_offsets_hold_a_private_copy(splits, form):
     assert gg.offsets(offs) is offs
 
 
+@pytest.fixture(params=["none declared", "another declared"])
+def declared_writes(request, monkeypatch):
+    """No ``gg.mark_updated`` in the process (``GroupOffsets.written`` compares torch's
+    counts alone) or one on an unrelated tensor (it compares whole write stamps)."""
+    monkeypatch.setattr(updates, "DECLARED", {})
+    monkeypatch.setattr(group_offsets, "DECLARED", updates.DECLARED)
+    other = torch.zeros(2)
+    if request.param == "another declared":
+        gg.mark_updated(other)
+    yield request.param
+    del other
+
+
 @pytest.mark.parametrize("tensor", ["splits", "ends"])
 @pytest.mark.parametrize("host", [True, False])
-def test_offsets_written_in_place_are_refused(tensor, host, gen):
+def test_offsets_written_in_place_are_refused(tensor, host, gen, declared_writes):
     """New sizes written into a GroupOffsets (same total, so nothing else would notice)
     left its ends as they were: backends that read the ends routed rows by the old sizes,
     the others by the new ones."""
+    assert bool(updates.DECLARED) == (declared_writes == "another declared")
     x, w = torch.randn(8, 4, generator=gen), torch.randn(3, 4, 4, generator=gen)
     offs = gg.offsets([3, 0, 5] if host else torch.tensor([3, 0, 5]))
     assert torch.allclose(gg.grouped_gemm(x, w, offs), gg.grouped_gemm(x, w, [3, 0, 5]))
@@ -208,7 +222,7 @@ def test_a_group_offsets_built_by_hand_must_agree_with_itself(parts, argument, g
         assert rel_error(gg.grouped_gemm(x, w, offs, backend=backend), ref_fwd(x, w, [3, 0, 5])) < 1e-6
 
 
-def test_offsets_built_under_inference_mode(gen):
+def test_offsets_built_under_inference_mode(gen, declared_writes):
     """Inference tensors keep no version counter (reading it raises): offsets made in
     ``torch.inference_mode`` work, and a write declared by ``gg.mark_updated`` is refused."""
     x, w = torch.randn(8, 4, generator=gen), torch.randn(3, 4, 4, generator=gen)

@@ -44,10 +44,10 @@ def test_a_declared_write_is_forgotten_with_its_memory():
     t = torch.zeros(3)
     gg.mark_updated(t[1:])
     key = ("storage", t.untyped_storage()._cdata)
-    assert key in updates._declared
+    assert key in updates.DECLARED
     del t
     gc.collect()
-    assert key not in updates._declared
+    assert key not in updates.DECLARED
 
 
 def test_inference_tensors_have_a_stamp():
