@@ -31,6 +31,8 @@ def _tensor_problem(
 ) -> str | None:
     if not isinstance(result, torch.Tensor):
         return f"run() returned {type(result).__name__}, not a torch.Tensor"
+    if result.is_nested or result.layout != torch.strided:  # a nested tensor's shape raises
+        return f"run() returned a {'nested' if result.is_nested else result.layout} tensor; results are dense (strided)"
     if tuple(result.shape) != shape:
         return f"run() returned shape {tuple(result.shape)}, expected {shape}"
     if result.dtype != dtype:
