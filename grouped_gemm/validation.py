@@ -230,19 +230,31 @@ def wgrad(
 
     dy and x may be MXTensors blocked along M (each group a whole number of blocks).
     """
-    check_operand(dy, "dy", "(M, N)")
-    check_operand(x, "x", "(M, K)")
+    # A dense 2-D tensor passes check_operand: the common case tested inline (it runs on
+    # every backward step), anything else goes through it.
+    if not (isinstance(dy, torch.Tensor) and dy.dim() == 2 and not dy.is_nested):
+        check_operand(dy, "dy", "(M, N)")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_nested):
+        check_operand(x, "x", "(M, K)")
     if not isinstance(accumulate, bool):
         raise InvalidTypeError("accumulate", accumulate, "True or False")
     m, n = dy.shape
-    k = x.shape[1]
-    if x.shape[0] != m:
+    rows, k = x.shape
+    if rows != m:
         raise ShapeError("x", x, f"(M, K) with M={m} rows like dy")
     device = dy.device
     if x.device != device:
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
-    check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
     kind = device_kind(device)
+    # check_operand_kind only where it has something to refuse: a plain operand that requires
+    # grad, is not dense or is on the meta device (as in fwd_or_dgrad; an MXTensor holds
+    # dense tensors that do not require grad).
+    if (
+        kind == "meta"
+        or (isinstance(dy, torch.Tensor) and (dy.requires_grad or dy.layout is not _STRIDED))
+        or (isinstance(x, torch.Tensor) and (x.requires_grad or x.layout is not _STRIDED))
+    ):
+        check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
     if kind == "meta":  # both MXTensors (a plain meta operand was refused just above)
         raise DeviceMismatchError("dy", dy, META_REFUSAL)
     groups = group_count(m_splits)
@@ -252,7 +264,10 @@ def wgrad(
         # for operands the recipe takes (MX operands in wgrad are rare; no memo needed).
         resolve_recipe("wgrad", recipe, dy, "dy", x, "x")
         check_row_blocks(splits, host, (("dy", dy), ("x", x)))
-    out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
+    if out is None and not accumulate:
+        is_list = False  # wgrad_out's common case: nothing to check
+    else:
+        out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
     cap = registry().max_m_multiple
     # Device splits are not read: their split_facts follow from the cap alone (no frame).
     m_align, max_rows = split_facts(splits, m_align_cap=cap) if host else ((0 if cap > 1 else 1), None)
@@ -276,7 +291,7 @@ def wgrad(
             max_rows,
             is_list,
             accumulate,
-            all_contiguous(dy, x),
+            dy.is_contiguous() and x.is_contiguous(),
             capturing,
         ),
     )
