@@ -72,19 +72,6 @@ def _cpu_kernel_error() -> str | None:
     return None
 
 
-def _plainly_row_major(problem: Problem, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """``_row_major``'s common case for both fwd / dgrad operands at once, from what the
-    Problem already knows (both contiguous, no size-1 leading dim, so row-major strides):
-    only the base pointers are read per call."""
-    return (
-        problem.contiguous
-        and problem.m > 1
-        and problem.groups > 1
-        and problem.n > 1
-        and (a.is_cpu or (a.data_ptr() % _STRIDE_BYTES == 0 and w.data_ptr() % _STRIDE_BYTES == 0))
-    )
-
-
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if torch and the kernel take it as a row-major operand, else a copy.
 
@@ -217,7 +204,16 @@ class TorchGroupedMMBackend(Backend):
         if problem.op == "wgrad":
             return self._wgrad(problem, inputs)
         a, w = inputs.a, inputs.b
-        if not _plainly_row_major(problem, a, w):
+        # ``_row_major``'s common case for both operands at once, from what the Problem
+        # already knows (both contiguous, no size-1 leading dim, so row-major strides): only
+        # the base pointers are read per call.
+        if not (
+            problem.contiguous
+            and problem.m > 1
+            and problem.groups > 1
+            and problem.n > 1
+            and (a.is_cpu or (a.data_ptr() % _STRIDE_BYTES == 0 and w.data_ptr() % _STRIDE_BYTES == 0))
+        ):
             a, w = _row_major(a), _row_major(w)
         if problem.m == 0:
             return inputs.output(problem)

@@ -225,8 +225,10 @@ def _apply_log_level(level: str | None) -> None:
 
 
 def settings() -> Settings:
-    """The process-wide settings now in force (environment merged with ``configure``)."""
-    return _state.current()
+    """The process-wide settings now in force (environment merged with ``configure``);
+    once built, read without ``_State.current``'s frame (calls given device splits ask)."""
+    effective = _state.effective
+    return effective if effective is not None else _state.current()
 
 
 def set_in_code(field: str) -> bool:
@@ -270,9 +272,9 @@ def reset_config() -> Settings:
     return _state.current()
 
 
-def active_scopes() -> tuple[Scope, ...]:
-    """The ``use_backends`` frames of this thread / task, outermost first."""
-    return _scopes.get()
+#: The ``use_backends`` frames of this thread / task, outermost first: the context
+#: variable's own ``get``, without a Python frame around it (every call asks).
+active_scopes: Callable[[], tuple[Scope, ...]] = _scopes.get
 
 
 @contextlib.contextmanager

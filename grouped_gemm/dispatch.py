@@ -233,11 +233,17 @@ class Dispatcher:
         chosen = routed.backend
         if chosen is None:
             raise BackendUnavailableError(f"no backend can run {problem}:\n{routed.decision.table()}", routed.decision)
-        with self._lock:
+        # acquire / release, not ``with``: the context-manager protocol (two special-method
+        # lookups, a three-argument __exit__) cost ~0.17 us more a call on the dev CPU.
+        lock = self._lock
+        lock.acquire()
+        try:
             if routed.cached:
                 routed.calls += 1
             else:
                 self._retired.update(_counts(routed))
+        finally:
+            lock.release()
         inputs = call.inputs
         name = routed.decision.selected  # as registered (the backend may have replaced its spec)
         versions = input_versions(inputs) if routed.debug else None

@@ -148,8 +148,9 @@ _registry = Registry()
 
 
 def registry() -> Registry:
-    """The process-wide registry, loaded on first use."""
-    return _registry.ensure_loaded()
+    """The process-wide registry, loaded on first use (then returned without
+    ``ensure_loaded``'s frame: every call asks)."""
+    return _registry if _registry._loaded else _registry.ensure_loaded()
 
 
 def on_change(callback: Callable[[], None]) -> None:
