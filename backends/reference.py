@@ -52,12 +52,6 @@ class ReferenceBackend(Backend):
     )
 
     def run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor | list[torch.Tensor]:
-        # The recipe fixes the formats: an autocast region around the call would run these
-        # fp32 matmuls in its bf16 / fp16 (docs/module.md: the library ignores autocast).
-        with torch.autocast(inputs.a.device.type, enabled=False):
-            return self._run(problem, inputs)
-
-    def _run(self, problem: Problem, inputs: GroupedInputs) -> torch.Tensor | list[torch.Tensor]:
         splits = inputs.splits_list()
         if problem.op == "wgrad":
             return self._wgrad(problem, inputs, splits)

@@ -32,11 +32,16 @@ from grouped_gemm.problem import Problem
 from grouped_gemm.registry import Entry, Registry, registry
 from grouped_gemm.registry import on_change as on_registry_change
 from grouped_gemm.results import check_unmodified, checked_result, input_versions
+from grouped_gemm.torch_device import device_kind
 
 if TYPE_CHECKING:
     from grouped_gemm.validation import Call
 
 LOGGER = config.LOGGER
+_STRIDED = torch.strided
+#: Whether autocast is on for any device type in this thread: torch's C query, without
+#: ``torch.is_autocast_enabled``'s per-device argument parsing (every call asks).
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 class FallbackWarning(UserWarning):
@@ -207,9 +212,19 @@ class Dispatcher:
         """Route the call (its cached route, or decide one), run it, and check what the
         backend returned against the problem.
 
-        A backend's exception, a result of the wrong type, shape, dtype or device, and
-        (in debug mode) an input it modified in place all come back as BackendRunError.
+        A backend's exception, a result of the wrong type, layout, shape, dtype or device,
+        and (in debug mode) an input it modified in place all come back as BackendRunError.
+        Backends run with the caller's ``torch.autocast`` off: the recipe decides the
+        formats (docs/module.md), and a backend computing with torch ops would otherwise
+        run them in the region's bf16 / fp16 and return, say, fp32 with bf16 rounding.
         """
+        if _any_autocast():  # one C call on every call; the region's work only inside one
+            with torch.autocast(device_kind(call.key.device), enabled=False):
+                return self._run(call, backend)
+        return self._run(call, backend)
+
+    def _run(self, call: Call, backend: Any) -> Any:
+        """``run`` outside any autocast region."""
         order_key = backend if backend is None or type(backend) is str else _order_key(backend)
         key = (call.key, config.active_scopes(), order_key)
         try:
@@ -258,15 +273,19 @@ class Dispatcher:
             check_unmodified(name, problem, inputs, versions)
         # The common case in few attribute reads (the operands' device as validation read
         # it); checked_result says what is wrong.
-        if (
-            inputs.out is None
-            and type(result) is torch.Tensor
-            and result.dtype is problem.out_torch_dtype
-            and result.shape == problem.out_shape
-            and result.device == call.key.device
-            and not result.requires_grad
-        ):
-            return result
+        try:
+            if (
+                inputs.out is None
+                and type(result) is torch.Tensor
+                and result.layout is _STRIDED  # sparse, mkldnn, jagged: checked_result names them
+                and result.dtype is problem.out_torch_dtype
+                and result.shape == problem.out_shape
+                and result.device == call.key.device
+                and not result.requires_grad
+            ):
+                return result
+        except RuntimeError:  # a (strided) nested tensor's shape raises: checked_result names it
+            pass
         return checked_result(name, problem, inputs, result)
 
     def _route(self, key: tuple | None, call: Call, backend: Any) -> _Routed:
@@ -345,7 +364,8 @@ class Dispatcher:
             if len(self._warned) >= ROUTE_CACHE_SIZE:
                 self._warned.clear()
             self._warned.add(token)
-        warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=5)
+        # _warn_once, _route, Dispatcher._run, Dispatcher.run, the public function: its caller.
+        warnings.warn(f"grouped_gemm fallback: {decision.summary()}", FallbackWarning, stacklevel=6)
 
     def stats(self) -> dict[str, Any]:
         """Calls per selected backend; fallbacks as ``"skipped -> selected"`` for named

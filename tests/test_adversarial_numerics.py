@@ -66,15 +66,10 @@ def test_an_fp32_layer_under_autocast_returns_fp32_numbers(gen):
     assert y.dtype == torch.float32 and rel_error(y, want) < FP32_TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch.py runs a backend inside the caller's autocast region: every plugin that "
-    "computes with torch matmuls must disable autocast itself, or its fp32 results carry bf16 "
-    "rounding; the dispatcher could run backends with autocast off (dispatch.py is off-limits here)",
-)
 def test_a_plugin_matmul_backend_is_not_autocast_by_the_caller(make_backend, gen):
     """A third-party backend written with plain ``@`` (conftest's FakeBackend) and chosen
-    for an fp32 forward returns bf16-precision numbers inside a bf16 autocast region."""
+    for an fp32 forward returned bf16-precision numbers inside a bf16 autocast region: the
+    dispatcher now runs every backend with the region off."""
     make_backend("matmul_plugin", priority=1000)
     a, b, splits = _operands("fwd", gen)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -506,16 +506,11 @@ def test_a_result_in_another_layout_is_that_backends_error_with_out(layout, regi
         gg.grouped_gemm(x, w, [1, 3], out=torch.empty(4, 4), backend=f"returns_{layout}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch.py's fast path for results without out= reads result.shape (a nested result "
-    "raises torch's RuntimeError there) and never checks the layout (a sparse or mkldnn result "
-    "reaches the caller); it should also require result.layout is torch.strided and not is_nested "
-    "before the shape (dispatch.py is off-limits here)",
-)
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors", "ignore:Sparse CSR tensor support")
 @pytest.mark.parametrize("layout", list(_NOT_STRIDED))
 def test_a_result_in_another_layout_is_that_backends_error(layout, register, gen):
+    """Without ``out=``: the dispatcher's fast path read a nested result's shape (torch's
+    error, no backend named) and handed a sparse or mkldnn result to the caller."""
     register(_ReturnsLayout(layout))
     x, w = torch.randn(4, 4, generator=gen), torch.randn(2, 4, 4, generator=gen)
     with pytest.raises(gg.BackendRunError, match=rf"'returns_{layout}'.*strided"):

@@ -73,12 +73,6 @@ class PaddedBmmBackend(gg.Backend):
         return CPU_PRIORITY if problem.device.vendor == "cpu" else self.spec.priority
 
     def run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
-        # The recipe fixes the formats: an autocast region around the call would run the
-        # bmm in its bf16 / fp16 (grouped_gemm ignores autocast).
-        with torch.autocast(inputs.a.device.type, enabled=False):
-            return self._run(problem, inputs)
-
-    def _run(self, problem: gg.Problem, inputs: gg.GroupedInputs) -> torch.Tensor:
         a = inputs.a
         device = a.device
         if problem.host_splits:
