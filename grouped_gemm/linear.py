@@ -62,7 +62,7 @@ def _counts(m_splits: Splits, device: torch.device) -> torch.Tensor:
         m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor):
         return m_splits.to(device=device, dtype=torch.int64)
-    return torch.tensor(m_splits, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor(m_splits, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
 # --- Weights ----------------------------------------------------------------------------

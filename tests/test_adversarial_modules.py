@@ -22,6 +22,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm.parallel import ExpertParallelMoE
+from grouped_gemm.testing import rel_error
 
 G, K, N = 3, 8, 4
 SPLITS = [2, 0, 5]
@@ -636,3 +637,20 @@ def test_a_nested_tensor_is_named(call, error, name, gen):
     rank checks and failed in torch: "NestedTensorImpl doesn't support sizes"."""
     with pytest.raises(error, match=rf"^{name}=.*nested"):
         call(gen)
+
+
+def test_a_biased_layer_and_row_quantization_ignore_the_default_device(gen):
+    """Host splits were turned into a tensor on torch's default device: under
+    ``torch.device("meta")`` (or a GPU default) a biased layer's forward on CPU tensors
+    failed naming its own bias, and ``quantize_mx_rows`` failed inside torch."""
+    layer = gg.GroupedLinear(3, 8, 4, bias=True, dtype=torch.float32)
+    x, splits = torch.randn(6, 8, generator=gen), [2, 0, 4]
+    want = torch.cat([x[:2].double() @ layer.weight[0].double().T, x[2:].double() @ layer.weight[2].double().T])
+    want += torch.repeat_interleave(layer.bias.detach().double(), torch.tensor(splits), dim=0)
+    rows = torch.randn(64, 32, generator=gen)
+    plain = gg.quantize_mx_rows(rows, [32, 0, 32], "e4m3").dequantize()
+    with torch.device("meta"):
+        y = layer(x, splits)
+        quantized = gg.quantize_mx_rows(rows, [32, 0, 32], "e4m3").dequantize()
+    assert y.device.type == "cpu" and rel_error(y.detach(), want) < 1e-5
+    assert quantized.device.type == "cpu" and torch.equal(quantized, plain)

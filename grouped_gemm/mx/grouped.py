@@ -131,7 +131,7 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
     if not m_splits or min(m_splits) < 0 or sum(m_splits) != rows:
         raise SplitsError("m_splits", m_splits, f"at least one non-negative group size, summing to t.shape[0]={rows}")
     host = list(m_splits)
-    return host, torch.tensor(host, dtype=torch.int64)
+    return host, torch.tensor(host, dtype=torch.int64, device="cpu")
 
 
 def _check_align(align: Any, block_size: int) -> None:
