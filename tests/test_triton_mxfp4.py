@@ -319,6 +319,7 @@ HEIGHT_SPLITS = {
     "skewed": [70, 2, 0, 15, 31, 5],
     "single_group": [17],
     "all_small": [3, 16, 9],
+    "tails": [48, 49, 32, 80, 0, 1],  # last tiles with exactly 16 rows left, 17, none, ...
 }
 
 
@@ -335,8 +336,9 @@ def _two_height_weights(fmt, groups, n, k, gen, device="cpu"):
 @pytest.mark.parametrize("splits", list(HEIGHT_SPLITS.values()), ids=list(HEIGHT_SPLITS))
 @pytest.mark.parametrize("bm", [32, 64])
 def test_two_height_tiles_match_float64(bm, splits, fmt, gen):
-    """Groups of at most 16 rows on 16-row tiles, the others on ``bm``-row ones: every row
-    written (poisoned output) and equal to float64 within the bf16 result's rounding."""
+    """Tiles with at most 16 of their group's rows left (small groups, ragged last tiles)
+    16 rows high, the others ``bm``: every row written (poisoned output) and equal to
+    float64 within the bf16 result's rounding."""
     n, k = 96, 128
     x = torch.randn(sum(splits), k, generator=gen).to(torch.bfloat16)
     w, lay = _two_height_weights(fmt, len(splits), n, k, gen)

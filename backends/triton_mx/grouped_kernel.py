@@ -112,11 +112,11 @@ def grouped_kernel(
     ``TMA``, ``A`` and ``W`` are tensor descriptors of blocks (BM, BK) and (1, BN, BK) (fwd,
     ``TRANSPOSE_W``) or (1, BK, BN) (dgrad), and the strides are unused."""
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
-        g, start, count, row0, col = locate_first(t, gi, starts, rows, tiles, tile_end, BM, 0)
+        g, start, count, row0, col = locate_first(t, gi, starts, rows, tiles, tile_end, BM)
         rm = row0 + tl.arange(0, BM)
         rn = col * BN + tl.arange(0, BN)
         m_ok = rm < count

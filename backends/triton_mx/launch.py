@@ -116,7 +116,8 @@ def ptx_decode(device: torch.device) -> bool:
 class UpcastConfig:
     """Tiles of the upcast kernel: rows (BM, tokens), weight rows (BN), 32-blocks per
     contraction step (2 or 4), warps, pipeline stages, programs per SM, the row height
-    of groups of at most ``small`` rows (0: every group gets ``bm``-row tiles), and ``tma``:
+    of a tile with at most ``small`` of its group's rows left (a small group's, or a larger
+    group's last; 0: every tile is ``bm`` rows), and ``tma``:
     1 to fetch the activations through tensor descriptors where ``describable``."""
 
     bm: int
@@ -163,9 +164,10 @@ REGISTER_FILE = 65536
 
 
 #: Names the upcast kernel's speed in the MX backends' versions, so tunings stored before the
-#: coalesced weight-word load (74aabf7) and one program a SM on the 256-row tile (575751b),
-#: which timed other speeds, are not loaded (``tuning_store`` files by backend versions).
-UPCAST_REVISION = "coalesced-1sm"
+#: coalesced weight-word load (74aabf7), one program a SM on the 256-row tile (575751b) and
+#: small last tiles in two-height schedules (2026-12-07), which timed other speeds, are not
+#: loaded (``tuning_store`` files by backend versions).
+UPCAST_REVISION = "coalesced-1sm-tails"
 
 
 def upcast_config(m: int, groups: int, w_fmt: str = "e2m1") -> UpcastConfig:
@@ -950,7 +952,9 @@ def upcast_configs(m: int, groups: int, w_fmt: str = "e2m1") -> list[UpcastConfi
     """The sm_90 upcast kernel's candidates (fwd / dgrad) around its GPU default for the
     weight format (E4M3: four blocks a step, as its layout is read)."""
     d = _upcast_default(m, groups, w_fmt)
-    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16), "tma": (0, 1)}
+    # small=64 (under 128- and 256-row tiles only, by heights_ok): skewed splits' small groups
+    # and ragged last tiles, which a 256-row tile alone computes 1.05-1.69x the rows of.
+    moves = {"bm": (d.bm // 2, d.bm * 2), "bn": (64, 128, 256), "blocks": (2, 4), "small": (0, 16, 64), "tma": (0, 1)}
     space = _neighbours(
         d, {**moves, "stages": (3, 4), "warps": (4, 8), "per_sm": (1, 2)}, lambda c: c.smem_bytes(w_fmt)
     )

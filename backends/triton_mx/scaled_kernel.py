@@ -151,7 +151,7 @@ def scaled_grouped_kernel(
     INTERP: tl.constexpr,
 ):
     col_tiles = tl.cdiv(n_out, BN)
-    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G, 0)
+    gi, starts, rows, tiles, tile_end = group_table(Splits, num_groups, BM, col_tiles, MAX_G)
     total = tl.sum(tiles, 0)
     t = tl.program_id(0)
     while t < total:
