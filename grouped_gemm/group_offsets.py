@@ -36,8 +36,8 @@ def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype =
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-#: The ends are int32 (what the kernels take), so the total number of rows must fit.
-_MAX_ROWS = 2**31 - 1
+#: The ends and row offsets are int32 (what the kernels take), so row counts must fit.
+MAX_ROWS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -57,8 +57,6 @@ class GroupOffsets:
     ends: torch.Tensor
     total: int | None
     versions: tuple[tuple[int, int], tuple[int, int]] = dataclasses.field(init=False, repr=False)
-    #: torch's own write counts of ``splits`` and ``ends`` when built (``versions``' first halves).
-    torch_versions: tuple[int, int] = dataclasses.field(init=False, repr=False)
     #: Where ``GroupedInputs.offsets`` files ``ends``: (device, int32), built once.
     ends_key: tuple[torch.device, torch.dtype] = dataclasses.field(init=False, repr=False)
     #: The tensors' device and the group count, read once: every call given these offsets
@@ -72,9 +70,7 @@ class GroupOffsets:
 
     def _read_facts(self) -> None:
         """The write stamps, device and group count, read once when built."""
-        versions = (write_stamp(self.splits), write_stamp(self.ends))
-        object.__setattr__(self, "versions", versions)
-        object.__setattr__(self, "torch_versions", (versions[0][0], versions[1][0]))
+        object.__setattr__(self, "versions", (write_stamp(self.splits), write_stamp(self.ends)))
         device = self.splits.device
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "groups", self.splits.shape[0])
@@ -87,8 +83,9 @@ class GroupOffsets:
             # No write declared anywhere, so none to these tensors, then or now (an entry
             # lives as long as its storage): torch's counts decide, without two
             # ``write_stamp`` frames (every call given offsets asks, issue 14).
+            (splits_version, _), (ends_version, _) = self.versions
             try:
-                return (self.splits._version, self.ends._version) != self.torch_versions
+                return self.splits._version != splits_version or self.ends._version != ends_version
             except RuntimeError:  # inference tensors keep no count: write_stamp says so
                 pass
         return (write_stamp(self.splits), write_stamp(self.ends)) != self.versions
@@ -199,8 +196,8 @@ def _from_host(values: list[int], device: torch.device) -> GroupOffsets:
         index = values.index(min(values))
         raise SplitsError("m_splits", values, f"non-negative group sizes; m_splits[{index}]={values[index]}")
     total = sum(values)
-    if total > _MAX_ROWS:
-        raise SplitsError("m_splits", values, f"at most {_MAX_ROWS} rows in all (int32 ends), got {total}")
+    if total > MAX_ROWS:
+        raise SplitsError("m_splits", values, f"at most {MAX_ROWS} rows in all (int32 ends), got {total}")
     groups = len(values)
     both = host_to_device([*values, *itertools.accumulate(values)], device)
     return _agreeing(both[:groups], both[groups:], total)

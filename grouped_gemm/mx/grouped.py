@@ -20,7 +20,7 @@ import torch
 
 from grouped_gemm.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError, ShapeError, SplitsError
 from grouped_gemm.group_ends import padded_row_table
-from grouped_gemm.group_offsets import GroupOffsets, host_split_ints, host_to_device, visible_device
+from grouped_gemm.group_offsets import MAX_ROWS, GroupOffsets, host_split_ints, host_to_device, visible_device
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_checked, scale_rule_name
@@ -28,8 +28,6 @@ from grouped_gemm.mx.tensor import MXTensor
 from grouped_gemm.vocabulary import SPLIT_DTYPES, SPLIT_TENSOR
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
-#: The row offsets are int32 (what the kernels take).
-_MAX_ROWS = 2**31 - 1
 
 
 def quantize_mx_weight(
@@ -155,12 +153,12 @@ def _row_layout(
     else:
         padded = [-(-s // align) * align for s in host]
         padded_rows = sum(padded)
-    if padded_rows > _MAX_ROWS:
+    if padded_rows > MAX_ROWS:
         raise InvalidArgumentError(
             "align",
             align,
             f"a multiple of the block size small enough for int32 offsets: {groups} groups of {rows} rows "
-            f"padded to it exceed {_MAX_ROWS} rows",
+            f"padded to it exceed {MAX_ROWS} rows",
         )
     if padded is None:
         offsets, padded_offsets, padded_sizes = padded_row_table(sizes, align)
