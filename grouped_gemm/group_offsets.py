@@ -139,6 +139,14 @@ def _check_parts(splits: Any, ends: Any, total: Any) -> None:
             raise SplitsError("total", total, f"None or the sum of splits={splits.tolist()}")
 
 
+def ends_cache(m_splits: Any) -> dict[tuple[torch.device, torch.dtype], torch.Tensor]:
+    """The ends ``GroupedInputs.offsets`` can hand out without a kernel: a seed for its
+    cache when ``m_splits`` is a ``GroupOffsets``, else empty."""
+    if type(m_splits) is GroupOffsets:
+        return {m_splits.ends_key: m_splits.ends}
+    return {}
+
+
 def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOffsets:
     """``m_splits`` (a list/tuple of ints or a 1-D integer tensor) with its int32 ends, on
     ``device`` (default: the tensor's device, or the CPU for a list).

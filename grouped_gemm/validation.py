@@ -35,10 +35,10 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.group_offsets import GroupOffsets, as_ints, splits_type_error
+from grouped_gemm.group_offsets import GroupOffsets, as_ints, ends_cache, splits_type_error
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor
-from grouped_gemm.problem import Op, Problem, build_problem, split_facts
+from grouped_gemm.problem import Op, Problem, build_problem, m_bucket, split_facts
 from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.results import operand_tensors
@@ -163,13 +163,8 @@ def fwd_or_dgrad(
         w0 = w[0] if is_list else w
         b_format = w0.dtype
     # A list: every group's weight (a later one may require grad or be sparse). Otherwise one
-    # plain test of each operand that is a tensor (an MXTensor holds dense tensors that do not
-    # require grad), written out: it runs on every call.
-    if (
-        is_list
-        or (isinstance(a, torch.Tensor) and (a.requires_grad or a.layout is not _STRIDED))
-        or (isinstance(w0, torch.Tensor) and (w0.requires_grad or w0.layout is not _STRIDED))
-    ):
+    # plain test of each operand on the hot path (an MXTensor passes it).
+    if is_list or _unusual(a, w0):
         check_operand_kind(_tensor_operands(a_arg, a, w))
     m, inner = a.shape
     if inner != (k if fwd else n):
@@ -185,9 +180,7 @@ def fwd_or_dgrad(
     splits, host = splits_operand(m_splits, groups, m, a_arg, device)
     if out is not None:
         check_out(out, (m, n if fwd else k), device, "(M, N)" if fwd else "(M, K)", ((a_arg, a), ("w", w)))
-    cap = registry().max_m_multiple
-    # Device splits are not read: their split_facts follow from the cap alone (no frame).
-    m_align, max_rows = split_facts(splits, m_align_cap=cap) if host else ((0 if cap > 1 else 1), None)
+    m_align, max_rows = split_facts(splits if host else None, m_align_cap=registry().max_m_multiple)
     capturing = kind == "cuda" and stream_capturing()
     key = _new_key(
         CallKey,
@@ -199,7 +192,7 @@ def fwd_or_dgrad(
             out_dtype,
             None if out is None else out.dtype,
             groups,
-            (1 << (m - 1).bit_length()) if m > 0 else 0,  # m_bucket(m), without its frame
+            m_bucket(m),
             n,
             k,
             device,
@@ -212,9 +205,7 @@ def fwd_or_dgrad(
             capturing,
         ),
     )
-    # GroupedInputs.offsets' cache, seeded with the ends of a gg.offsets result.
-    ends = {m_splits.ends_key: m_splits.ends} if type(m_splits) is GroupOffsets else {}
-    return Call(key, m, GroupedInputs(a, w, splits, out, ends, capturing))
+    return Call(key, m, GroupedInputs(a, w, splits, out, ends_cache(m_splits), capturing))
 
 
 def wgrad(
@@ -246,14 +237,9 @@ def wgrad(
     if x.device != device:
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
     kind = device_kind(device)
-    # check_operand_kind only where it has something to refuse: a plain operand that requires
-    # grad, is not dense or is on the meta device (as in fwd_or_dgrad; an MXTensor holds
-    # dense tensors that do not require grad).
-    if (
-        kind == "meta"
-        or (isinstance(dy, torch.Tensor) and (dy.requires_grad or dy.layout is not _STRIDED))
-        or (isinstance(x, torch.Tensor) and (x.requires_grad or x.layout is not _STRIDED))
-    ):
+    # check_operand_kind only where it has something to refuse: a meta device, or what
+    # ``_unusual`` finds (as in fwd_or_dgrad).
+    if kind == "meta" or _unusual(dy, x):
         check_operand_kind([(name, t) for name, t in (("dy", dy), ("x", x)) if isinstance(t, torch.Tensor)])
     if kind == "meta":  # both MXTensors (a plain meta operand was refused just above)
         raise DeviceMismatchError("dy", dy, META_REFUSAL)
@@ -268,9 +254,7 @@ def wgrad(
         is_list = False  # wgrad_out's common case: nothing to check
     else:
         out, is_list = wgrad_out(out, groups, n, k, device, accumulate, (("dy", dy), ("x", x)))
-    cap = registry().max_m_multiple
-    # Device splits are not read: their split_facts follow from the cap alone (no frame).
-    m_align, max_rows = split_facts(splits, m_align_cap=cap) if host else ((0 if cap > 1 else 1), None)
+    m_align, max_rows = split_facts(splits if host else None, m_align_cap=registry().max_m_multiple)
     capturing = kind == "cuda" and stream_capturing()
     key = _new_key(
         CallKey,
@@ -282,7 +266,7 @@ def wgrad(
             out_dtype,
             None if out is None else first(out).dtype,
             groups,
-            (1 << (m - 1).bit_length()) if m > 0 else 0,  # m_bucket(m), without its frame
+            m_bucket(m),
             n,
             k,
             device,
@@ -295,12 +279,20 @@ def wgrad(
             capturing,
         ),
     )
-    ends = {m_splits.ends_key: m_splits.ends} if type(m_splits) is GroupOffsets else {}
-    return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends, capturing))
+    return Call(key, m, GroupedInputs(dy, x, splits, list(out) if is_list else out, ends_cache(m_splits), capturing))
 
 
 #: Why a meta operand is refused (plain or MX).
 META_REFUSAL = "a tensor with data (CPU or GPU); meta tensors have none"
+
+
+def _unusual(a: Any, b: Any) -> bool:
+    """Whether ``check_operand_kind`` has something to look at in either operand: a tensor
+    that requires grad or is not dense (an MXTensor holds dense tensors that do not). Both
+    in one call: it runs on every call."""
+    return (isinstance(a, torch.Tensor) and (a.requires_grad or a.layout is not _STRIDED)) or (
+        isinstance(b, torch.Tensor) and (b.requires_grad or b.layout is not _STRIDED)
+    )
 
 
 def _tensor_operands(a_arg: str, a: Any, w: Any) -> list[tuple[str, torch.Tensor]]:
