@@ -35,7 +35,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.group_offsets import GroupOffsets, as_ints, ends_cache, splits_type_error
+from grouped_gemm.group_offsets import GroupOffsets, as_ints, ends_cache, split_tensor_refusal, splits_type_error
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.problem import Op, Problem, build_problem, m_bucket, split_facts
@@ -43,7 +43,7 @@ from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.results import operand_tensors
 from grouped_gemm.torch_device import device_kind, stream_capturing
-from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, SPLIT_DTYPES, SPLIT_TENSOR, dtype_name
+from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, SPLIT_DTYPES, dtype_name
 
 _STRIDED = torch.strided
 #: The argument names of each op's two operands.
@@ -448,8 +448,8 @@ def splits_operand(
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
         raise splits_type_error(m_splits)
-    if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
-        raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
+    if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout is not _STRIDED:
+        raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
     if m_splits.numel() != groups:
         raise SplitsError("m_splits", m_splits, f"one entry per group: expected {groups}, got {m_splits.numel()}")
     where = m_splits.device  # each read builds a torch.device: once

@@ -1,0 +1,87 @@
+"""Adversarial cases from the hunt over the thirty-second session's changes (the two-height
+upcast schedule, ``GroupOffsets.written``'s fast path, the validation / dispatch fast paths,
+autocast, host splits under a non-CPU default device). Each test failed before its fix;
+CPU only, small shapes, fresh random data, float64 references, poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm.testing import poison, ref_fwd, ref_wgrad, rel_error
+
+G, N, K = 3, 8, 16
+SPLITS = [3, 0, 5]
+M = sum(SPLITS)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_sparse():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
+        yield
+
+
+# ---- sparse (COO) group-size tensors ---------------------------------------------------------
+
+
+def _sparse(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values).to_sparse()
+
+
+SPARSE_SPLITS_CALLS = {
+    "fwd": lambda x, w, dy, s, out: gg.grouped_gemm(x, w, s, out=out["fwd"]),
+    "dgrad": lambda x, w, dy, s, out: gg.grouped_gemm_dgrad(dy, w, s, out=out["dgrad"]),
+    "wgrad": lambda x, w, dy, s, out: gg.grouped_gemm_wgrad(dy, x, s, out=out["wgrad"]),
+    "wgrad_accumulate": lambda x, w, dy, s, out: gg.grouped_gemm_wgrad(dy, x, s, out=out["wgrad"], accumulate=True),
+}
+
+
+@pytest.mark.parametrize("op", list(SPARSE_SPLITS_CALLS))
+def test_sparse_m_splits_tensor_is_named_and_nothing_is_written(op, gen):
+    """A 1-D sparse COO integer m_splits passed the rank and dtype checks and failed in
+    torch's ``tolist`` ("Cannot access data pointer of Tensor that doesn't have storage"),
+    naming no argument; now a SplitsError naming m_splits and its layout, before any
+    output is written. The same sizes as a dense tensor give the float64 answer."""
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(G, N, K, generator=gen)
+    dy = torch.randn(M, N, generator=gen)
+    out = {
+        "fwd": poison(torch.empty(M, N)),
+        "dgrad": poison(torch.empty(M, K)),
+        "wgrad": poison(torch.empty(G, N, K)),
+    }
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=.*sparse_coo"):
+        SPARSE_SPLITS_CALLS[op](x, w, dy, _sparse(SPLITS), out)
+    assert all(torch.isnan(t).all() for t in out.values()), "a refused call wrote its out="
+    if op == "fwd":
+        got = SPARSE_SPLITS_CALLS[op](x, w, dy, torch.tensor(SPLITS), out)
+        assert rel_error(got, ref_fwd(x, w, SPLITS)) < 1e-5
+    if op == "wgrad":
+        got = SPARSE_SPLITS_CALLS[op](x, w, dy, torch.tensor(SPLITS), out)
+        assert rel_error(got, ref_wgrad(dy, x, SPLITS)) < 1e-5
+
+
+def test_sparse_m_splits_tensor_is_named_by_the_layer_and_quantize_mx_rows(gen):
+    """The same torch error came out of GroupedLinear's forward and quantize_mx_rows."""
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32")
+    x = torch.randn(M, K, generator=gen)
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=.*sparse_coo"):
+        layer(x, _sparse(SPLITS))
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=.*sparse_coo"):
+        gg.quantize_mx_rows(torch.randn(64, 32, generator=gen), _sparse([32, 0, 32]), "e4m3")
+
+
+@pytest.mark.parametrize("part", ["splits", "ends"])
+def test_hand_built_group_offsets_with_a_sparse_part_is_named(part):
+    """``GroupOffsets(splits, ends, total)`` built by hand with a sparse part failed in
+    torch's cumsum / equal (NotImplementedError for the SparseCPU backend); now a
+    SplitsError naming the part."""
+    parts = {"splits": torch.tensor(SPLITS, dtype=torch.int32), "ends": torch.tensor([3, 3, 8], dtype=torch.int32)}
+    parts[part] = parts[part].to_sparse()
+    with pytest.raises(gg.SplitsError, match=rf"^{part}=.*sparse_coo"):
+        gg.GroupOffsets(parts["splits"], parts["ends"], None)
