@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm.testing import poison, ref_fwd, ref_wgrad, rel_error
+from grouped_gemm.testing import poison, random_splits, ref_fwd, ref_wgrad, rel_error
 
 G, N, K = 3, 8, 16
 SPLITS = [3, 0, 5]
@@ -85,3 +85,21 @@ def test_hand_built_group_offsets_with_a_sparse_part_is_named(part):
     parts[part] = parts[part].to_sparse()
     with pytest.raises(gg.SplitsError, match=rf"^{part}=.*sparse_coo"):
         gg.GroupOffsets(parts["splits"], parts["ends"], None)
+
+
+# ---- split generators under a non-CPU default device -----------------------------------------
+
+
+def test_split_generators_under_a_meta_default_device():
+    """``gg.skewed_splits`` (and ``testing.random_splits``) drew their sizes on torch's
+    default device: under ``torch.device("meta")`` (or a GPU default) they failed inside
+    torch ("Tensor.item() cannot be called on meta tensors"; a CPU generator on a GPU
+    default device: "Expected a 'cuda' device type for generator"). Host sizes are drawn
+    on the CPU, so they match the sizes drawn outside the block."""
+    want_skewed = gg.skewed_splits(7, 1000, seed=5)
+    want_random = random_splits(6, 500, empty=2, generator=torch.Generator().manual_seed(9))
+    with torch.device("meta"):
+        assert gg.skewed_splits(7, 1000, seed=5) == want_skewed
+        assert random_splits(6, 500, empty=2, generator=torch.Generator().manual_seed(9)) == want_random
+        sizes = random_splits(4, 100)
+    assert sum(want_skewed) == 1000 and sum(sizes) == 100 and len(sizes) == 4
