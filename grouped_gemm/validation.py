@@ -172,6 +172,8 @@ def fwd_or_dgrad(
         raise ShapeError(a_arg, a, f"{dims}={k if fwd else n} to match w {(groups, n, k)}")
     device = a.device
     if w0.device != device:
+        if device_kind(device) == "meta":  # the operand without data is at fault, not w
+            raise DeviceMismatchError(a_arg, a, META_REFUSAL)
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
     kind = device_kind(device)
     if kind == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
@@ -235,6 +237,8 @@ def wgrad(
         raise ShapeError("x", x, f"(M, K) with M={m} rows like dy")
     device = dy.device
     if x.device != device:
+        if device_kind(device) == "meta":  # the operand without data is at fault, not x
+            raise DeviceMismatchError("dy", dy, META_REFUSAL)
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
     kind = device_kind(device)
     # check_operand_kind only where it has something to refuse: a meta device, or what
@@ -667,7 +671,8 @@ def check_no_overlap(outs: Sequence[torch.Tensor], operands: tuple) -> None:
 
 
 def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
-    """A ``(G, N)`` bias on ``like``'s device, checked before any GEMM runs."""
+    """A ``(G, N)`` bias on ``like``'s device (``like``: the layer's input x), checked before
+    any GEMM runs."""
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor):
@@ -676,6 +681,8 @@ def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
     if tuple(bias.shape) != (groups, n):
         raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
     if bias.device != like.device:
+        if like.device.type == "meta":  # the layer's input is at fault, not its bias
+            raise DeviceMismatchError("x", like, META_REFUSAL)
         raise DeviceMismatchError("bias", bias, f"a tensor on {like.device}, like the operands")
     if not bias.dtype.is_floating_point:
         raise DTypeError("bias", bias, "a floating-point tensor")

@@ -103,3 +103,42 @@ def test_split_generators_under_a_meta_default_device():
         assert random_splits(6, 500, empty=2, generator=torch.Generator().manual_seed(9)) == want_random
         sizes = random_splits(4, 100)
     assert sum(want_skewed) == 1000 and sum(sizes) == 100 and len(sizes) == 4
+
+
+# ---- a meta operand beside operands with data --------------------------------------------------
+
+
+def _meta_calls(gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, object]]]:
+    """The poisoned out= buffers, and per call the meta argument's name and the call with
+    only that operand on meta."""
+    x, w = torch.randn(M, K, generator=gen), torch.randn(G, N, K, generator=gen)
+    meta_x, meta_dy = torch.empty(M, K, device="meta"), torch.empty(M, N, device="meta")
+    outs = {"fwd": poison(torch.empty(M, N)), "dgrad": poison(torch.empty(M, K)), "wgrad": poison(torch.empty(G, N, K))}
+    layer = gg.GroupedLinear(G, K, N, recipe="fp32")
+    return outs, {
+        "fwd": ("x", lambda: gg.grouped_gemm(meta_x, w, SPLITS, out=outs["fwd"])),
+        "dgrad": ("dy", lambda: gg.grouped_gemm_dgrad(meta_dy, w, SPLITS, out=outs["dgrad"])),
+        "wgrad": ("dy", lambda: gg.grouped_gemm_wgrad(meta_dy, x, SPLITS, out=outs["wgrad"])),
+        "grouped_linear": ("x", lambda: gg.grouped_linear(meta_x, w, SPLITS)),
+        "layer_with_bias": ("x", lambda: layer(meta_x, SPLITS)),
+        "backend_gmm": ("a", lambda: gg.backend.gmm(meta_x, w, SPLITS, trans_b=True, c=outs["fwd"])),
+        "backend_gmm_trans_a": ("a", lambda: gg.backend.gmm(meta_dy, x, SPLITS, trans_a=True)),
+        "ops_gmm": ("a", lambda: gg.ops.gmm(meta_x, w, torch.tensor(SPLITS), trans_b=True)),
+    }
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["fwd", "dgrad", "wgrad", "grouped_linear", "layer_with_bias", "backend_gmm", "backend_gmm_trans_a", "ops_gmm"],
+)
+def test_a_meta_operand_is_named_not_the_operand_with_data(call, gen):
+    """With x (dy, a) on meta and the other operand on the CPU, the error named the CPU
+    operand (or the layer's own bias) and asked for it on meta: 'w=Tensor(..., device=cpu)
+    is invalid: a tensor on meta, like the other operands' (the meta refusals of
+    de56450 / d8dc7a5 ran only after the device comparison). Now the meta operand is the one
+    named; nothing is written."""
+    outs, calls = _meta_calls(gen)
+    name, fn = calls[call]
+    with pytest.raises(gg.DeviceMismatchError, match=rf"^{name}=Tensor\(.*device=meta\) is invalid"):
+        fn()
+    assert all(torch.isnan(t).all() for t in outs.values()), "a refused call wrote its out="
