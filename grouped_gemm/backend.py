@@ -93,6 +93,8 @@ def _like_a(a: torch.Tensor, t: torch.Tensor, argument: str) -> None:
     if t.dtype != a.dtype:
         raise DTypeError(argument, t, f"dtype {a.dtype}, like a")
     if t.device != a.device:
+        if a.device.type == "meta":  # a, without data, is at fault, not the operand that has it
+            raise DeviceMismatchError("a", a, f"a tensor on {t.device}, like {argument}")
         raise DeviceMismatchError(argument, t, f"a tensor on {a.device}, like a")
 
 

@@ -36,6 +36,14 @@ def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype =
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def split_tensor_refusal(t: torch.Tensor) -> str:
+    """What a group-size tensor must be, as an error says it; a sparse one's layout named
+    (its rank and dtype pass, and reading it failed inside torch, naming no argument)."""
+    if t.layout != torch.strided:
+        return f"{SPLIT_TENSOR} with the strided (dense) layout, got {t.layout}; call .to_dense()"
+    return SPLIT_TENSOR
+
+
 #: The ends and row offsets are int32 (what the kernels take), so row counts must fit.
 MAX_ROWS = 2**31 - 1
 
@@ -110,18 +118,27 @@ def _check_parts(splits: Any, ends: Any, total: Any) -> None:
     backends take ``ends`` as given, so ends that are not the cumulative sum of ``splits``
     gave other backends' numbers without an error. Values are compared on the CPU only,
     where reading them costs no device sync."""
-    if not isinstance(splits, torch.Tensor) or splits.dim() != 1 or splits.dtype not in SPLIT_DTYPES:
-        raise SplitsError("splits", splits, f"{SPLIT_TENSOR}; build GroupOffsets with gg.offsets(m_splits)")
+    if (
+        not isinstance(splits, torch.Tensor)
+        or splits.dim() != 1
+        or splits.dtype not in SPLIT_DTYPES
+        or splits.layout != torch.strided
+    ):
+        allowed = split_tensor_refusal(splits) if isinstance(splits, torch.Tensor) else SPLIT_TENSOR
+        raise SplitsError("splits", splits, f"{allowed}; build GroupOffsets with gg.offsets(m_splits)")
     if (
         not isinstance(ends, torch.Tensor)
+        or ends.layout != torch.strided
         or ends.dtype != torch.int32
         or tuple(ends.shape) != tuple(splits.shape)
         or ends.device != splits.device
     ):
+        layout = getattr(ends, "layout", torch.strided)
         raise SplitsError(
             "ends",
             ends,
-            f"a ({splits.shape[0]},) int32 tensor on {splits.device}, the running sum of splits; "
+            f"a dense ({splits.shape[0]},) int32 tensor on {splits.device}, the running sum of splits"
+            f"{'' if layout == torch.strided else f' (got layout {layout})'}; "
             "build GroupOffsets with gg.offsets(m_splits)",
         )
     if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
@@ -165,7 +182,7 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
         raise InvalidArgumentError("device", device, "a device with data (the CPU or a GPU), not meta")
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout != torch.strided:
-            raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
+            raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
         if m_splits.device.type == "meta":
             raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or a GPU), not meta")
         if m_splits.device.type != "cpu":
@@ -244,8 +261,8 @@ def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
     tensors) or a 1-D integer tensor on the CPU, as Python ints; bools and floats are
     rejected."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype not in SPLIT_DTYPES:
-            raise SplitsError(argument, values, SPLIT_TENSOR)
+        if values.dim() != 1 or values.dtype not in SPLIT_DTYPES or values.layout != torch.strided:
+            raise SplitsError(argument, values, split_tensor_refusal(values))
         return values.tolist()
     if not isinstance(values, (list, tuple)):
         raise splits_type_error(values)

@@ -50,7 +50,10 @@ def skewed_splits(groups: int, m: int, seed: int = 0) -> list[int]:
     """Heavy-tailed group sizes (most rows in a few experts), deterministic per seed."""
     groups, m = _int("groups", groups, _GROUPS, 1), _int("m", m, _SKEWED_ROWS, 0, 2**53)
     seed = _int("seed", seed, _SEED, SEED_MIN, SEED_MAX)
-    u = torch.rand(groups, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) ** 3 + 1e-3
+    # On the CPU, like its generator: under a GPU or meta default device torch.rand failed
+    # (a CPU generator there, or no values to read back).
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand(groups, generator=generator, dtype=torch.float64, device="cpu") ** 3 + 1e-3
     sizes = torch.floor(u / u.sum() * m).to(torch.int64)
     sizes[0] += m - int(sizes.sum())
     return [int(s) for s in sizes.tolist()]

@@ -146,8 +146,11 @@ def random_splits(groups: int, m: int, *, empty: int = 0, generator: torch.Gener
     """Random non-negative sizes summing to ``m`` with at least ``empty`` zero groups."""
     if empty >= groups and m:
         raise ValueError(f"cannot place m={m} rows with all {groups} groups empty")
-    weights = torch.rand(groups, generator=generator, dtype=torch.float64) ** 2 + 1e-3
-    weights[torch.randperm(groups, generator=generator)[:empty]] = 0.0
+    # On the generator's device (the CPU without one), not torch's default device, where a
+    # GPU or meta default failed inside torch.
+    device = generator.device if generator is not None else "cpu"
+    weights = torch.rand(groups, generator=generator, dtype=torch.float64, device=device) ** 2 + 1e-3
+    weights[torch.randperm(groups, generator=generator, device=device)[:empty]] = 0.0
     sizes = torch.floor(weights / weights.sum() * m).to(torch.int64)
     live = torch.nonzero(weights).flatten()
     sizes[live[0]] += m - int(sizes.sum())

@@ -35,7 +35,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.group_offsets import GroupOffsets, as_ints, ends_cache, splits_type_error
+from grouped_gemm.group_offsets import GroupOffsets, as_ints, ends_cache, split_tensor_refusal, splits_type_error
 from grouped_gemm.inputs import GroupedInputs
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.problem import Op, Problem, build_problem, m_bucket, split_facts
@@ -43,7 +43,7 @@ from grouped_gemm.recipes import Recipe, get_recipe, plain_recipe_for
 from grouped_gemm.registry import registry
 from grouped_gemm.results import operand_tensors
 from grouped_gemm.torch_device import device_kind, stream_capturing
-from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, SPLIT_DTYPES, SPLIT_TENSOR, dtype_name
+from grouped_gemm.vocabulary import FLOAT_DTYPE_NAMES, SPLIT_DTYPES, dtype_name
 
 _STRIDED = torch.strided
 #: The argument names of each op's two operands.
@@ -172,6 +172,8 @@ def fwd_or_dgrad(
         raise ShapeError(a_arg, a, f"{dims}={k if fwd else n} to match w {(groups, n, k)}")
     device = a.device
     if w0.device != device:
+        if device_kind(device) == "meta":  # the operand without data is at fault, not w
+            raise DeviceMismatchError(a_arg, a, META_REFUSAL)
         raise DeviceMismatchError("w", w0, f"a tensor on {device}, like the other operands")
     kind = device_kind(device)
     if kind == "meta":  # whichever operand is a plain tensor (MXTensor operands skip the test above)
@@ -235,6 +237,8 @@ def wgrad(
         raise ShapeError("x", x, f"(M, K) with M={m} rows like dy")
     device = dy.device
     if x.device != device:
+        if device_kind(device) == "meta":  # the operand without data is at fault, not x
+            raise DeviceMismatchError("dy", dy, META_REFUSAL)
         raise DeviceMismatchError("x", x, f"a tensor on {device}, like the other operands")
     kind = device_kind(device)
     # check_operand_kind only where it has something to refuse: a meta device, or what
@@ -448,8 +452,8 @@ def splits_operand(
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
         raise splits_type_error(m_splits)
-    if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES:
-        raise SplitsError("m_splits", m_splits, SPLIT_TENSOR)
+    if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout is not _STRIDED:
+        raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
     if m_splits.numel() != groups:
         raise SplitsError("m_splits", m_splits, f"one entry per group: expected {groups}, got {m_splits.numel()}")
     where = m_splits.device  # each read builds a torch.device: once
@@ -667,7 +671,8 @@ def check_no_overlap(outs: Sequence[torch.Tensor], operands: tuple) -> None:
 
 
 def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
-    """A ``(G, N)`` bias on ``like``'s device, checked before any GEMM runs."""
+    """A ``(G, N)`` bias on ``like``'s device (``like``: the layer's input x), checked before
+    any GEMM runs."""
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor):
@@ -676,6 +681,8 @@ def check_bias(bias: Any, groups: int, n: int, like: torch.Tensor) -> None:
     if tuple(bias.shape) != (groups, n):
         raise ShapeError("bias", bias, f"shape (G, N)={(groups, n)}")
     if bias.device != like.device:
+        if like.device.type == "meta":  # the layer's input is at fault, not its bias
+            raise DeviceMismatchError("x", like, META_REFUSAL)
         raise DeviceMismatchError("bias", bias, f"a tensor on {like.device}, like the operands")
     if not bias.dtype.is_floating_point:
         raise DTypeError("bias", bias, "a floating-point tensor")
