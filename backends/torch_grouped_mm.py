@@ -58,14 +58,16 @@ _GROUPED_MM = _grouped_mm_op()
 
 @functools.cache
 def _cpu_kernel_error() -> str | None:
-    """Why this torch cannot run ``_grouped_mm`` on CPU tensors (None: it can)."""
+    """Why this torch cannot run ``_grouped_mm`` on CPU tensors (None: it can). The probe's
+    tensors are on the CPU whatever torch's default device: the answer is kept for the
+    process, and a first check under a GPU or meta default would have probed that device."""
     if _GROUPED_MM is None:
         return "this torch has no torch._grouped_mm"
     try:
         _GROUPED_MM(
-            torch.ones(2, 8, dtype=torch.bfloat16),
-            torch.ones(1, 8, 8, dtype=torch.bfloat16).transpose(-2, -1),
-            offs=torch.tensor([2], dtype=torch.int32),
+            torch.ones(2, 8, dtype=torch.bfloat16, device="cpu"),
+            torch.ones(1, 8, 8, dtype=torch.bfloat16, device="cpu").transpose(-2, -1),
+            offs=torch.tensor([2], dtype=torch.int32, device="cpu"),
         )
     except (RuntimeError, NotImplementedError) as exc:
         return f"this torch has no CPU kernel for torch._grouped_mm ({type(exc).__name__})"

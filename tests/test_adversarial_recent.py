@@ -142,3 +142,35 @@ def test_a_meta_operand_is_named_not_the_operand_with_data(call, gen):
     with pytest.raises(gg.DeviceMismatchError, match=rf"^{name}=Tensor\(.*device=meta\) is invalid"):
         fn()
     assert all(torch.isnan(t).all() for t in outs.values()), "a refused call wrote its out="
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_device_m_splits_are_named_by_quantize_mx_rows(gen):
+    """quantize_mx_rows' device-splits branch tested rank and dtype only, so a sparse GPU
+    tensor went on to ``.to(device)`` and failed later inside torch, naming no argument."""
+    t = torch.randn(64, 32, generator=gen).cuda()
+    splits = torch.tensor([32, 0, 32], device="cuda").to_sparse()
+    with pytest.raises(gg.SplitsError, match=r"^m_splits=.*sparse_coo"):
+        gg.quantize_mx_rows(t, splits, "e4m3")
+
+
+def test_the_cpu_kernel_probe_runs_on_the_cpu_under_another_default_device(monkeypatch):
+    """``torch_grouped_mm`` asks once per process whether torch has a CPU kernel, by calling
+    it on small tensors; those were built on torch's default device, so a first check under
+    ``torch.device("meta")`` (or a GPU default) probed that device and kept its answer for
+    the CPU."""
+    from grouped_gemm.backends import torch_grouped_mm
+
+    seen: list[torch.device] = []
+
+    def recording(a, b, offs=None):
+        seen.extend([a.device, b.device, offs.device])
+
+    monkeypatch.setattr(torch_grouped_mm, "_GROUPED_MM", recording)
+    torch_grouped_mm._cpu_kernel_error.cache_clear()
+    try:
+        with torch.device("meta"):
+            assert torch_grouped_mm._cpu_kernel_error() is None
+    finally:
+        torch_grouped_mm._cpu_kernel_error.cache_clear()
+    assert seen and all(d.type == "cpu" for d in seen), seen
