@@ -6,14 +6,13 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import run_forked
 
 import grouped_gemm as gg
 from grouped_gemm.bench import accuracy, ceilings, metrics, operands, plot, report, runner, shapes, timing
@@ -510,72 +509,15 @@ def test_cpu_default_is_a_smoke_run_and_scale_1_is_full_size():
 
 BENCHMARK_SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 
-#: ``python benchmarks/<script> --help`` for every script named after argv[1], each in a child
-#: forked from one process that has already imported what every script imports first
-#: (torch, triton, grouped_gemm: about 3 of the 4 s a fresh process took). A child starts
-#: as ``python <script>`` does: the script's directory first on sys.path, run as __main__
-#: with its path in sys.argv[0], its exit status as Python would give it, 120 s at most;
-#: nothing of one script is seen by another. Writes {script: [status, stdout, stderr]} to
-#: the JSON file argv[1].
-_HELP_RUNNER = textwrap.dedent(
-    """
-    import json, os, runpy, signal, sys, traceback
-    from pathlib import Path
-
-    out, paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
-    sys.path[0] = str(paths[0].parent)  # where `python benchmarks/<script>` looks first
-    import torch, triton, grouped_gemm  # imported by every script
-
-    def status_of(code):  # what Python exits with after SystemExit(code)
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-
-    results = {}
-    for path in paths:
-        logs = [out.parent / f"{path.name}.{name}" for name in ("stdout", "stderr")]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            for fd, log in zip((1, 2), logs):
-                os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            signal.alarm(120)
-            sys.argv = [str(path), "--help"]
-            try:
-                runpy.run_path(str(path), run_name="__main__")
-                status = 0
-            except SystemExit as exc:
-                status = status_of(exc.code)
-            except BaseException:
-                traceback.print_exc()
-                status = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status & 0xFF)
-        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        results[path.name] = [status, *(log.read_text(errors="replace") for log in logs)]
-    out.write_text(json.dumps(results))
-    """
-)
-
 
 @pytest.fixture(scope="module")
-def script_help(tmp_path_factory) -> dict[str, list]:
-    """Each benchmark script's ``--help``: [exit status, stdout, stderr] by script name."""
-    out = tmp_path_factory.mktemp("help") / "help.json"
+def script_help() -> dict[str, tuple[int, str, str]]:
+    """Each benchmark script's ``python benchmarks/<script> --help``: (exit status, stdout,
+    stderr) by script name, each in a child of one process that imported torch, triton and
+    grouped_gemm (what every script imports first) once, instead of a fresh Python each."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # some compile kernels
-    paths = [str(ROOT / "benchmarks" / script) for script in BENCHMARK_SCRIPTS]
-    done = subprocess.run(
-        [sys.executable, "-c", _HELP_RUNNER, str(out), *paths],
-        capture_output=True,
-        text=True,
-        timeout=120 * len(paths),
-        env=env,
-    )
-    assert done.returncode == 0 and out.exists(), done.stderr[-2000:]
-    return json.loads(out.read_text())
+    programs = {script: [str(ROOT / "benchmarks" / script), "--help"] for script in BENCHMARK_SCRIPTS}
+    return run_forked(programs, ["torch", "triton", "grouped_gemm"], env=env, timeout=120)
 
 
 @pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
