@@ -6,13 +6,13 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from forked_runs import run_forked
 
 import grouped_gemm as gg
 from grouped_gemm.bench import accuracy, ceilings, metrics, operands, plot, report, runner, shapes, timing
@@ -507,16 +507,28 @@ def test_cpu_default_is_a_smoke_run_and_scale_1_is_full_size():
     assert full.cases == tuple(shapes.select_cases("mixtral_down", 1.0)) and full.cases[0].m > 50 * cpu.cases[0].m
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
-def test_every_benchmark_script_imports_and_parses_its_arguments(script):
+BENCHMARK_SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def script_help() -> dict[str, tuple[int, str, str]]:
+    """Each benchmark script's ``python benchmarks/<script> --help``: (exit status, stdout,
+    stderr) by script name, each in a child of one process that imported torch, triton and
+    grouped_gemm (what every script imports first) once, instead of a fresh Python each."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # some compile kernels
+    programs = {script: [str(ROOT / "benchmarks" / script), "--help"] for script in BENCHMARK_SCRIPTS}
+    return run_forked(programs, ["torch", "triton", "grouped_gemm"], env=env, timeout=120)
+
+
+@pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
+def test_every_benchmark_script_imports_and_parses_its_arguments(script, script_help):
     """``--help`` runs a script's imports and argument parser: a name moved in the library
     (``torch_device`` to ``tools``) broke benchmarks/autotune.py on the GPU host once."""
     path = ROOT / "benchmarks" / script
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # some compile kernels
-    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    status, stdout, stderr = script_help[script]
+    assert status == 0, stderr[-2000:]
     if "argparse" in path.read_text():  # the others are modules of shared helpers
-        assert "usage:" in done.stdout
+        assert "usage:" in stdout
 
 
 def test_host_overhead_profile_writes_the_top_functions(tmp_path):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_runs import run_forked
 
 from grouped_gemm.device import known_archs
 
@@ -34,12 +34,21 @@ def test_the_marked_blocks_are_found():
     assert {"README.md", "docs/module.md"} <= found
 
 
+@pytest.fixture(scope="module")
+def block_runs() -> dict[str, tuple[int, str, str]]:
+    """Each marked block run as ``python -c <block>`` from the repository root: (exit status,
+    stdout, stderr) by name, each in a child of one process that imported torch and
+    grouped_gemm (every block's first two lines) once, instead of a fresh Python each."""
+    programs = {name: ["-c", code] for name, code in BLOCKS}
+    return run_forked(programs, ["torch", "grouped_gemm"], env=os.environ, cwd=ROOT, timeout=300)
+
+
 @pytest.mark.parametrize("name,code", BLOCKS, ids=[name for name, _ in BLOCKS])
-def test_marked_block_runs(name, code):
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr}"
+def test_marked_block_runs(name, code, block_runs):
+    status, stdout, stderr = block_runs[name]
+    assert status == 0, f"{name} failed:\n{stderr}"
     for expected in re.findall(r"print\(.*\)\s+# (\S+)$", code, re.M):
-        assert expected in proc.stdout.split(), (name, expected, proc.stdout)
+        assert expected in stdout.split(), (name, expected, stdout)
 
 
 def test_readme_lists_the_known_archs():

@@ -304,6 +304,12 @@ def test_functional_ops_refuse_tensors_that_require_grad(backend, which, op):
 
 # 10. fork() while a lock is held: the child still dispatches.
 
+FORK_LOCKS = ["dispatch", "device", "registry", "config"]
+
+#: One process takes each lock named in argv in turn: holds it in a thread, forks, and
+#: prints "<lock> child <exit status>" (or "<lock> child hung"). The process is left as it
+#: was after each lock (the thread joined, the child reaped), so each lock is forked under
+#: as a process of its own would have been (one startup instead of four: ~4 s each).
 FORK = """
 import os, sys, threading, time, torch
 torch.set_num_threads(1)  # torch's own OpenMP pool is not fork-safe; grouped_gemm's locks must be
@@ -312,43 +318,54 @@ from grouped_gemm import config, device, dispatch, registry
 from grouped_gemm.testing import ref_fwd, rel_error
 w = torch.randn(4, 16, 32)
 gg.grouped_gemm(torch.randn(64, 32), w, [16] * 4)
-lock = {"dispatch": dispatch.DISPATCHER._lock, "device": device._detect_lock,
-        "registry": registry._registry._lock, "config": config._state.lock}[sys.argv[1]]
-held, release = threading.Event(), threading.Event()
-def hold():
-    with lock:
-        held.set()
-        release.wait()
-t = threading.Thread(target=hold)
-t.start()
-held.wait()
-pid = os.fork()
-if pid == 0:
-    gg.reset_config()
-    device._detected.clear()
-    x = torch.randn(30, 32)
-    ok = rel_error(gg.grouped_gemm(x, w, [10, 5, 5, 10]), ref_fwd(x, w, [10, 5, 5, 10])) < 1e-6
-    os._exit(0 if ok else 3)
-release.set()
-t.join()
-deadline = time.time() + 30
-while time.time() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        print("child", os.waitstatus_to_exitcode(status))
-        break
-    time.sleep(0.02)
-else:
-    os.kill(pid, 9)
-    print("child hung")
+locks = {"dispatch": dispatch.DISPATCHER._lock, "device": device._detect_lock,
+         "registry": registry._registry._lock, "config": config._state.lock}
+for name in sys.argv[1:]:
+    lock = locks[name]
+    held, release = threading.Event(), threading.Event()
+    def hold(lock=lock, held=held, release=release):
+        with lock:
+            held.set()
+            release.wait()
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        gg.reset_config()
+        device._detected.clear()
+        x = torch.randn(30, 32)
+        ok = rel_error(gg.grouped_gemm(x, w, [10, 5, 5, 10]), ref_fwd(x, w, [10, 5, 5, 10])) < 1e-6
+        os._exit(0 if ok else 3)
+    release.set()
+    t.join()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            print(name, "child", os.waitstatus_to_exitcode(status), flush=True)
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print(name, "child hung", flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def forked_under_locks() -> tuple[dict[str, str], str]:
+    """({lock: what its child did}, the process's output) of one run of ``FORK``."""
+    done = subprocess.run([sys.executable, "-c", FORK, *FORK_LOCKS], capture_output=True, text=True, timeout=300)
+    found = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in FORK_LOCKS)
+    return found, done.stdout + done.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
-@pytest.mark.parametrize("lock", ["dispatch", "device", "registry", "config"])
-def test_fork_while_a_lock_is_held(lock):
-    done = subprocess.run([sys.executable, "-c", FORK, lock], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "child 0", done.stdout + done.stderr
+@pytest.mark.parametrize("lock", FORK_LOCKS)
+def test_fork_while_a_lock_is_held(lock, forked_under_locks):
+    found, output = forked_under_locks
+    assert found.get(lock) == "child 0", output
 
 
 # 11. Clear errors.
