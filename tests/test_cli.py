@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -122,32 +123,67 @@ def test_described_problem_is_the_real_calls_problem(op, recipe, gen):
         assert described.candidate("triton_mxfp4").eligible
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["check", "--backends", "triton_grouped", "--recipes", "bf16", "--ops", "fwd"],
-        ["bench", "--backends", "triton_grouped", "--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced"],
+#: The commands of the test below, by parameter id.
+_TRITON_ON_THE_CPU = {
+    "argv0": ["check", "--backends", "triton_grouped", "--recipes", "bf16", "--ops", "fwd"],
+    "argv1": [
+        "bench",
+        "--backends",
+        "triton_grouped",
+        "--cases",
+        "mixtral_down",
+        "--ops",
+        "fwd",
+        "--splits",
+        "balanced",
     ],
-)
-def test_check_and_bench_run_the_triton_backends_on_the_cpu_without_triton_interpret(argv):
+}
+
+
+@pytest.fixture(scope="module")
+def triton_on_the_cpu(tmp_path_factory) -> Iterator[Callable[[str], tuple[int, str, str]]]:
+    """``python -m grouped_gemm <argv> --device cpu --quiet`` without TRITON_INTERPRET for
+    each of ``_TRITON_ON_THE_CPU``: (exit status, stdout, stderr) by id. Both start at once
+    (independent processes, one a core; each ran alone for ~10 s before); one a test asks
+    for and no other waits for is stopped at the end of the module."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    quick = ["--rep-ms", "1", "--min-reps", "1", "--max-reps", "1", "--warmup-ms", "0", "--no-peer"]
+    out = tmp_path_factory.mktemp("triton_on_the_cpu")
+    started = {}
+    for name, argv in _TRITON_ON_THE_CPU.items():
+        extra = quick if argv[0] == "bench" else []
+        logs = [(out / f"{name}.{stream}").open("w+") for stream in ("stdout", "stderr")]
+        cmd = [sys.executable, "-m", "grouped_gemm", *argv, *extra, "--device", "cpu", "--quiet"]
+        started[name] = (subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env), logs)
+
+    def result(name: str) -> tuple[int, str, str]:
+        proc, (stdout, stderr) = started[name]
+        proc.wait(timeout=300)
+        stdout.seek(0)
+        stderr.seek(0)
+        return proc.returncode, stdout.read(), stderr.read()
+
+    yield result
+    for proc, logs in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+
+
+@pytest.mark.parametrize("name", list(_TRITON_ON_THE_CPU))
+def test_check_and_bench_run_the_triton_backends_on_the_cpu_without_triton_interpret(name, triton_on_the_cpu):
     # The commands set TRITON_INTERPRET=1 themselves, after `import grouped_gemm` had imported
     # triton.language: its jit functions stayed compiled-only and every Triton run failed with
     # "Cannot call @triton.jit'd outside of the scope of a kernel" (exit status 1), or was
     # not eligible at all when the backends had loaded before (bench --backends).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    quick = ["--rep-ms", "1", "--min-reps", "1", "--max-reps", "1", "--warmup-ms", "0", "--no-peer"]
-    extra = quick if argv[0] == "bench" else []
-    proc = subprocess.run(
-        [sys.executable, "-m", "grouped_gemm", *argv, *extra, "--device", "cpu", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Cannot call @triton.jit" not in proc.stdout + proc.stderr
-    ran = [line.split()[-1] for line in proc.stdout.splitlines() if "triton_grouped " in line]
-    assert ran and set(ran) == {"pass" if argv[0] == "check" else "ok"}, proc.stdout[-2000:]
+    argv = _TRITON_ON_THE_CPU[name]
+    returncode, stdout, stderr = triton_on_the_cpu(name)
+    assert returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert "Cannot call @triton.jit" not in stdout + stderr
+    ran = [line.split()[-1] for line in stdout.splitlines() if "triton_grouped " in line]
+    assert ran and set(ran) == {"pass" if argv[0] == "check" else "ok"}, stdout[-2000:]
 
 
 def test_build_with_an_empty_backend_name_is_an_unknown_backend(capsys):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -369,20 +370,23 @@ def _register_a_overwritten_in_flight(function_sass: str) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not (_NVCC and _CUOBJDUMP), reason="needs nvcc and cuobjdump")
-@pytest.mark.parametrize(
-    ("target", "defines", "instruction"),
-    [
-        ("sm_89", [], r"QMMA\.16832\.F32\.E4M3\.E4M3"),  # native fp8 mma.sync
-        ("sm_90a", [], r"HGMMA\.64x256x16\.F32"),  # the prescaled path on wgmma, fwd / dgrad's A from registers
-        ("sm_90a", ["-DGG_MXFP8_REG_A=0"], r"HGMMA\.64x256x16\.F32"),  # fwd / dgrad's A from shared memory
-        ("sm_90a", ["-DGG_MXFP8_WGMMA=0"], r"F2FP\.F16\.E4M3\.UNPACK_B"),  # ptxas: e4m3 -> f16, then HMMA.16816
-        ("sm_90a", ["-DGG_MXFP8_PORTABLE"], r"FFMA"),  # the ROCm inner product, compiled for CUDA
-    ],
-)
-@pytest.mark.slow
-def test_kernel_compiles_with_spills_only_in_wgrad(tmp_path, target, defines, instruction):
-    unit = tmp_path / "unit.cu"
+#: (target, -D defines, an instruction its SASS must hold) of each compile check.
+_SASS_CHECKS = [
+    ("sm_89", [], r"QMMA\.16832\.F32\.E4M3\.E4M3"),  # native fp8 mma.sync
+    ("sm_90a", [], r"HGMMA\.64x256x16\.F32"),  # the prescaled path on wgmma, fwd / dgrad's A from registers
+    ("sm_90a", ["-DGG_MXFP8_REG_A=0"], r"HGMMA\.64x256x16\.F32"),  # fwd / dgrad's A from shared memory
+    ("sm_90a", ["-DGG_MXFP8_WGMMA=0"], r"F2FP\.F16\.E4M3\.UNPACK_B"),  # ptxas: e4m3 -> f16, then HMMA.16816
+    ("sm_90a", ["-DGG_MXFP8_PORTABLE"], r"FFMA"),  # the ROCm inner product, compiled for CUDA
+]
+
+
+def _compile_unit(directory: Path, target: str, defines: list[str]) -> tuple[subprocess.CompletedProcess, str]:
+    """nvcc's result (``ptxas -v``'s log on stderr) and the SASS of one translation unit
+    holding every kernel instantiation the binding launches, for ``target`` with ``defines``.
+    ``-cubin`` compiles the device code exactly as ``-c`` does (the same cicc and ptxas runs,
+    the same SASS and ptxas log), without the host compile nothing here reads."""
+    directory.mkdir(parents=True)
+    unit = directory / "unit.cu"
     maps = "const __grid_constant__ gg_mxfp8::TensorMap, const __grid_constant__ gg_mxfp8::TensorMap"
     rows = (
         "gg_mxfp8::Operand, gg_mxfp8::Operand, const int32_t*, const int32_t*, int, int, int64_t, "
@@ -402,9 +406,43 @@ def test_kernel_compiles_with_spills_only_in_wgrad(tmp_path, target, defines, in
     arch = target.removeprefix("sm_")
     compiled = subprocess.run(
         [_NVCC, "-std=c++17", "-O3", f"-I{build.CSRC}", f"-gencode=arch=compute_{arch},code={target}", "-Xptxas",
-         "-v", *defines, "-c", str(unit), "-o", str(tmp_path / "unit.o")],
+         "-v", *defines, "-cubin", str(unit), "-o", str(directory / "unit.cubin")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    if compiled.returncode != 0:
+        return compiled, ""
+    sass = subprocess.run(
+        [_CUOBJDUMP, "--dump-sass", str(directory / "unit.cubin")], capture_output=True, text=True, check=True
+    ).stdout
+    return compiled, sass
+
+
+@pytest.fixture(scope="module")
+def sass_compiles(request, tmp_path_factory):
+    """``(target, defines) -> future of _compile_unit's result`` for every compile check this
+    session runs, all started at once, one nvcc a core, the longest (the portable build,
+    most of the time) first: the compiles are independent processes, and one at a time left
+    the second core idle for the two and a half minutes they take. Each compile is the one
+    its test ran itself before."""
+    chosen = [
+        (item.callspec.params["target"], item.callspec.params["defines"])
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_kernel_compiles_with_spills_only_in_wgrad"
+    ]
+    chosen.sort(key=lambda check: "-DGG_MXFP8_PORTABLE" not in check[1])
+    root = tmp_path_factory.mktemp("sass")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield {
+            (target, tuple(defines)): pool.submit(_compile_unit, root / str(i), target, defines)
+            for i, (target, defines) in enumerate(chosen)
+        }
+
+
+@pytest.mark.skipif(not (_NVCC and _CUOBJDUMP), reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize(("target", "defines", "instruction"), _SASS_CHECKS)
+@pytest.mark.slow
+def test_kernel_compiles_with_spills_only_in_wgrad(sass_compiles, target, defines, instruction):
+    compiled, sass = sass_compiles[target, tuple(defines)].result()
     assert compiled.returncode == 0, compiled.stderr
     # The rows kernels and row_ranges_kernel keep their main loops' values in registers: at
     # 255 registers ptxas may keep up to four words of the epilogue's addresses in local
@@ -417,9 +455,6 @@ def test_kernel_compiles_with_spills_only_in_wgrad(tmp_path, target, defines, in
     assert len(spills) == 9, compiled.stderr
     for name, spilled in spills.items():
         assert spilled <= (512 if "wgrad_kernel" in name else 16), (name, spilled)
-    sass = subprocess.run(
-        [_CUOBJDUMP, "--dump-sass", str(tmp_path / "unit.o")], capture_output=True, text=True, check=True
-    ).stdout
     assert re.search(instruction, sass)
     for function in re.split(r"\bFunction : ", sass)[1:]:
         name = function.split("\n", 1)[0]
