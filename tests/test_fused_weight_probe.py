@@ -35,7 +35,8 @@ def test_probe_kernel_computes_the_grouped_product(op, quant, splits):
     w = torch.randn(groups, n, k, dtype=torch.bfloat16)
     a = torch.randn(sum(splits), k if op == "fwd" else n, dtype=torch.bfloat16)
     out = torch.full((sum(splits), n if op == "fwd" else k), float("nan"), dtype=torch.bfloat16)
-    got = probe_module.probe(a, w, splits, op, quant, CONFIG, out)
+    tiles = probe_module.tile_table(splits, CONFIG.bm, a.device)
+    got = probe_module.probe(a, w, tiles, op, quant, CONFIG, out)
     weight = gg.quantize_mx_weight(w, "e4m3", op=op).dequantize() if quant else w
     parts, start = [], 0
     for g, size in enumerate(splits):
