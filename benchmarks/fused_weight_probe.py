@@ -26,6 +26,7 @@ differs).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -41,6 +42,7 @@ from grouped_gemm.backends.triton_mx.dequant_kernel import quantized_values
 from grouped_gemm.bench.shapes import select_cases
 from grouped_gemm.mx.formats import FORMATS
 from grouped_gemm.mx.triton_quantizer import format_constants
+from grouped_gemm.testing import sqnr_db
 
 CASES = "qwen3_30b_gateup,qwen3_30b_down,gptoss120b_gateup,gptoss120b_down,dsv3_gateup_ep8"
 
@@ -147,6 +149,15 @@ def tile_table(splits: list[int], bm: int, device: torch.device) -> tuple[torch.
     return as_tensor(groups), as_tensor(rows), as_tensor(ends)
 
 
+@functools.cache
+def _quantizer(device: torch.device) -> dict[str, int]:
+    """The E4M3 quantizer's constexprs on ``device`` (bf16 input loaded as bf16), worked out
+    once rather than in every timed call."""
+    constants = format_constants(torch.bfloat16, device, FORMATS["e4m3"], "rceil")
+    del constants["BF16_BITS"]
+    return constants
+
+
 def probe(a, w, tiles, op, quant, cfg, out) -> torch.Tensor:
     """The probe kernel's ``op`` product of decoded activations ``a`` and bf16 ``w`` (G, N, K)
     over ``tiles`` (``tile_table``'s, made once: the timed call does no host work)."""
@@ -155,20 +166,13 @@ def probe(a, w, tiles, op, quant, cfg, out) -> torch.Tensor:
     # fwd: B_g[k, n] = W_g[n, k]; dgrad: B_g[n, k] = W_g[n, k].
     stride_br, stride_bc = (1, k) if op == "fwd" else (k, 1)
     tile_group, tile_row, group_end = tiles
-    constants = format_constants(torch.bfloat16, a.device, FORMATS["e4m3"], "rceil")
-    del constants["BF16_BITS"]
     grid = (tile_group.numel(), triton.cdiv(cols, cfg.bn))
     probe_kernel[grid](
         a, w, out, tile_group, tile_row, group_end, red, cols, n * k, stride_br, stride_bc,
-        QUANT=quant, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HW_E4M3=a.is_cuda, **constants, INTERP=not a.is_cuda,
+        QUANT=quant, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, HW_E4M3=a.is_cuda, **_quantizer(a.device), INTERP=not a.is_cuda,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
-
-
-def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp_min(1e-300)))
 
 
 def _problem(case, kind: str, op: str, cfg, rounds: int) -> None:
@@ -191,8 +195,8 @@ def _problem(case, kind: str, op: str, cfg, rounds: int) -> None:
     fused = probe(decoded, w, tiles, op, 1, cfg, torch.full_like(out, float("nan"))).clone()
     plain = probe(decoded, w, tiles, op, 0, cfg, torch.full_like(out, float("nan"))).clone()
     print(
-        f"{case.name} {kind} {op}: fused vs library SQNR {_sqnr_db(library, fused):.1f} dB, "
-        f"plain vs library {_sqnr_db(library, plain):.1f} dB",
+        f"{case.name} {kind} {op}: fused vs library SQNR {sqnr_db(fused, library):.1f} dB, "
+        f"plain vs library {sqnr_db(plain, library):.1f} dB",
         flush=True,
     )
     calls = {
