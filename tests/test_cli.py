@@ -141,16 +141,25 @@ _TRITON_ON_THE_CPU = {
 
 
 @pytest.fixture(scope="module")
-def triton_on_the_cpu(tmp_path_factory) -> Iterator[Callable[[str], tuple[int, str, str]]]:
+def triton_on_the_cpu(request, tmp_path_factory) -> Iterator[Callable[[str], tuple[int, str, str]]]:
     """``python -m grouped_gemm <argv> --device cpu --quiet`` without TRITON_INTERPRET for
-    each of ``_TRITON_ON_THE_CPU``: (exit status, stdout, stderr) by id. Both start at once
-    (independent processes, one a core; each ran alone for ~10 s before); one a test asks
-    for and no other waits for is stopped at the end of the module."""
+    each of ``_TRITON_ON_THE_CPU`` this session runs (read from session.items, so a ``-k``
+    pick starts only what it selects): (exit status, stdout, stderr) by id. They start at
+    once (independent processes, one a core; each ran alone for ~10 s before); one still
+    running at the end of the module is stopped."""
+    chosen = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", None)
+        == "test_check_and_bench_run_the_triton_backends_on_the_cpu_without_triton_interpret"
+    }
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     quick = ["--rep-ms", "1", "--min-reps", "1", "--max-reps", "1", "--warmup-ms", "0", "--no-peer"]
     out = tmp_path_factory.mktemp("triton_on_the_cpu")
     started = {}
     for name, argv in _TRITON_ON_THE_CPU.items():
+        if name not in chosen:
+            continue
         extra = quick if argv[0] == "bench" else []
         logs = [(out / f"{name}.{stream}").open("w+") for stream in ("stdout", "stderr")]
         cmd = [sys.executable, "-m", "grouped_gemm", *argv, *extra, "--device", "cpu", "--quiet"]
