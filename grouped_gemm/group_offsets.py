@@ -44,6 +44,13 @@ def split_tensor_refusal(t: torch.Tensor) -> str:
     return SPLIT_TENSOR
 
 
+def check_split_tensor(t: torch.Tensor, argument: str) -> None:
+    """Refuse a group-size tensor that is not 1-D, of a split dtype and dense (validation's
+    per-call path tests the same condition inline)."""
+    if t.dim() != 1 or t.dtype not in SPLIT_DTYPES or t.layout != torch.strided:
+        raise SplitsError(argument, t, split_tensor_refusal(t))
+
+
 #: The ends and row offsets are int32 (what the kernels take), so row counts must fit.
 MAX_ROWS = 2**31 - 1
 
@@ -181,8 +188,7 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
     if target is not None and target.type == "meta":
         raise InvalidArgumentError("device", device, "a device with data (the CPU or a GPU), not meta")
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout != torch.strided:
-            raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
+        check_split_tensor(m_splits, "m_splits")
         if m_splits.device.type == "meta":
             raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or a GPU), not meta")
         if m_splits.device.type != "cpu":
@@ -261,8 +267,7 @@ def host_split_ints(values: Any, argument: str = "m_splits") -> list[int]:
     tensors) or a 1-D integer tensor on the CPU, as Python ints; bools and floats are
     rejected."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype not in SPLIT_DTYPES or values.layout != torch.strided:
-            raise SplitsError(argument, values, split_tensor_refusal(values))
+        check_split_tensor(values, argument)
         return values.tolist()
     if not isinstance(values, (list, tuple)):
         raise splits_type_error(values)

@@ -452,6 +452,7 @@ def splits_operand(
         return _host_splits(m_splits, groups, rows, rows_arg), True
     if not isinstance(m_splits, torch.Tensor):
         raise splits_type_error(m_splits)
+    # ``check_split_tensor``'s condition, inline: this runs on every device-splits call.
     if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout is not _STRIDED:
         raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
     if m_splits.numel() != groups:

@@ -23,16 +23,15 @@ from grouped_gemm.group_ends import padded_row_table
 from grouped_gemm.group_offsets import (
     MAX_ROWS,
     GroupOffsets,
+    check_split_tensor,
     host_split_ints,
     host_to_device,
-    split_tensor_refusal,
     visible_device,
 )
 from grouped_gemm.mx import torch_quantizer
 from grouped_gemm.mx.formats import BLOCK_SIZE, FORMATS
 from grouped_gemm.mx.quantize import as_block_size, check_args, quantize_checked, scale_rule_name
 from grouped_gemm.mx.tensor import MXTensor
-from grouped_gemm.vocabulary import SPLIT_DTYPES
 
 _WEIGHT_AXIS = {"fwd": 2, "dgrad": 1}
 
@@ -127,8 +126,7 @@ def _sizes(m_splits: Any, rows: int, device: torch.device) -> tuple[list[int] | 
             )
         m_splits = m_splits.splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type not in ("cpu", "meta"):
-        if m_splits.dim() != 1 or m_splits.dtype not in SPLIT_DTYPES or m_splits.layout != torch.strided:
-            raise SplitsError("m_splits", m_splits, split_tensor_refusal(m_splits))
+        check_split_tensor(m_splits, "m_splits")
         return None, m_splits.to(device)
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type == "meta":
         raise SplitsError("m_splits", m_splits, "a tensor with data (on the CPU or t's device), not meta")
