@@ -6,8 +6,10 @@ and then the upcast GEMM reads the codes back. Where the weight is the larger op
 experts of 128-256 tokens) that pass costs about as much as the GEMM (docs/performance.md,
 "The thirty-fourth session"). A GEMM that loads the bf16 weight and quantizes each 32-block
 in registers (``dequant_kernel.quantized_values``, bit for bit the quantizer's rule) moves
-the peer's bytes; it repeats the quantization once per row tile of a group (1-2 times on
-those cases, against 16-24 times for the activations in ``fused_activation_probe.py``).
+the peer's bytes; it repeats the quantization once per row tile of a group (1-4.5 times on
+the probe's cases, against 16-24 times for the activations in ``fused_activation_probe.py``).
+Timed on an H200 ("The thirty-fifth session"), it cost 0.52-12.2 weight passes: the lead is
+closed, and the probe stays to show why.
 
 This times, kernel alone (``triton.testing.do_bench``, L2 flushed), interleaved over rounds:
 ``torch._grouped_mm`` bf16; the library's weight pass alone and its two-launch MX call
