@@ -23,8 +23,6 @@ callers wrote (``a``, ``b``, ``c``, ``batch_sizes``, ``trans_a``, ``trans_b``).
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,7 +36,7 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.group_offsets import GroupOffsets
+from grouped_gemm.group_offsets import GroupOffsets, as_ints
 from grouped_gemm.validation import META_REFUSAL, check_tensor, check_writable
 
 __all__ = ["gmm"]
@@ -139,7 +137,7 @@ def check_batch_sizes(
         _check_count(batch_sizes, len(batch_sizes), groups)
         if not read_host:
             return list(batch_sizes)
-        return _check_sizes(_as_ints(batch_sizes), rows)
+        return _check_sizes(as_ints(batch_sizes, "batch_sizes"), rows)
     raise InvalidTypeError("batch_sizes", batch_sizes, _BATCH_SIZES)
 
 
@@ -149,20 +147,6 @@ def _check_count(batch_sizes: Any, count: int, groups: int | None) -> None:
             raise SplitsError("batch_sizes", batch_sizes, "at least one group")
     elif count != groups:
         raise SplitsError("batch_sizes", batch_sizes, f"one entry per group of b: expected {groups}, got {count}")
-
-
-def _as_ints(values: Sequence[Any]) -> list[int]:
-    out = []
-    for i, v in enumerate(values):
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
-            raise SplitsError(
-                "batch_sizes", values, f"integers; batch_sizes[{i}]={v!r} is a {type(v).__name__}"
-            ) from None
-    return out
 
 
 def _check_sizes(sizes: list[int], rows: int) -> list[int]:
