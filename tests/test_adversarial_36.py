@@ -12,7 +12,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import backend, ops
-from grouped_gemm.testing import ref_dgrad, rel_error
+from grouped_gemm.testing import ref_dgrad, ref_fwd, rel_error
 
 # ---- batch_sizes items of gmm -------------------------------------------------------------
 
@@ -35,3 +35,57 @@ def test_gmm_batch_sizes_items_are_checked_like_m_splits(gmm, label, item, messa
         gmm(a, b, [item, 5])
     good = gmm(a, b, [np.int64(1), torch.tensor(5, dtype=torch.int32)])
     assert rel_error(good, ref_dgrad(a, b, [1, 5])) < 1e-6
+
+
+# ---- memory shared through distinct storages ------------------------------------------------
+
+
+def _two_views(rows: int, cols: int, shift: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (rows, cols) fp32 tensors over one buffer, the second ``shift`` elements later,
+    each with its own storage (numpy views or torch.frombuffer)."""
+    count = rows * cols
+    if how == "numpy":
+        buf = np.random.default_rng().standard_normal(count + shift).astype(np.float32)
+        return torch.from_numpy(buf[:count]).view(rows, cols), torch.from_numpy(buf[shift:]).view(rows, cols)
+    raw = bytearray((count + shift) * 4)
+    first = torch.frombuffer(raw, dtype=torch.float32, count=count).view(rows, cols)
+    second = torch.frombuffer(raw, dtype=torch.float32, count=count, offset=shift * 4).view(rows, cols)
+    first.copy_(torch.randn(rows, cols))
+    return first, second
+
+
+@pytest.mark.parametrize("how", ["numpy", "frombuffer"])
+def test_an_out_sharing_memory_with_an_input_through_another_storage_is_refused(how, gen):
+    """The overlap check grouped tensors by storage: an out= made over x's buffer by numpy
+    or torch.frombuffer (its own storage, same bytes) passed, and the reference backend
+    overwrote rows of dy it had not read yet (relative error ~0.5 against float64). Now
+    byte ranges are compared per device, whatever the storage, and out is named."""
+    dy, out = _two_views(6, 4, 4, how)
+    assert dy.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    w = torch.randn(2, 4, 4, generator=gen)
+    expected = ref_dgrad(dy.clone(), w, [3, 3])
+    with pytest.raises(gg.InvalidArgumentError, match=r"^out=.*shares no memory with the input dy"):
+        gg.grouped_gemm_dgrad(dy, w, [3, 3], out=out, backend="reference")
+    assert rel_error(gg.grouped_gemm_dgrad(dy, w, [3, 3], backend="reference"), expected) < 1e-6
+
+
+def test_gmm_c_sharing_memory_with_a_through_another_storage_is_refused(gen):
+    """gg.backend.gmm's c= check had the same same-storage test: a c made by numpy over a's
+    buffer was written while a was read. Now refused, naming c."""
+    a, c = _two_views(6, 4, 4, "numpy")
+    b = torch.randn(2, 4, 4, generator=gen)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^c=.*does not overlap a"):
+        backend.gmm(a, b, [3, 3], c=c)
+
+
+def test_a_main_grad_sharing_memory_with_a_weight_through_another_storage_is_named(gen):
+    """fused wgrad accumulation's aliasing check used the same test: a main_grad made by
+    numpy over the weight's buffer passed and backward would add the gradient into the
+    weight. Now named at forward."""
+    w, alias = _two_views(4, 4, 2, "numpy")
+    weight = torch.nn.Parameter(w.view(1, 4, 4))
+    weight.main_grad = alias.view(1, 4, 4)
+    x = torch.randn(3, 4, generator=gen)
+    with pytest.raises(gg.InvalidArgumentError, match=r"^weight\.main_grad=.*overlaps weight"):
+        gg.grouped_linear(x, weight, [3], fuse_wgrad_accumulation=True)
+    assert rel_error(gg.grouped_gemm(x, w.view(1, 4, 4), [3]), ref_fwd(x, w.view(1, 4, 4), [3])) < 1e-6
