@@ -12,6 +12,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import backend, ops
+from grouped_gemm.registry import registry
 from grouped_gemm.testing import ref_dgrad, ref_fwd, rel_error
 
 # ---- batch_sizes items of gmm -------------------------------------------------------------
@@ -89,3 +90,33 @@ def test_a_main_grad_sharing_memory_with_a_weight_through_another_storage_is_nam
     with pytest.raises(gg.InvalidArgumentError, match=r"^weight\.main_grad=.*overlaps weight"):
         gg.grouped_linear(x, weight, [3], fuse_wgrad_accumulation=True)
     assert rel_error(gg.grouped_gemm(x, w.view(1, 4, 4), [3]), ref_fwd(x, w.view(1, 4, 4), [3])) < 1e-6
+
+
+# ---- decisions shared by a bucket of M ------------------------------------------------------
+
+#: Pairs of group sizes whose problems share a signature (M in one power-of-two bucket, the
+#: same largest-group bound and row alignment): a cached decision serves both.
+SAME_BUCKET = [([2**30, 1, 1], [2**30, 2**30 - 1, 1]), ([16, 1, 1], [16, 15, 1])]
+
+
+@pytest.mark.parametrize("device", ["cpu", "sm_90", "sm_100", "gfx950"])
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("device_splits", [False, True])
+def test_every_backend_judges_a_whole_bucket_of_m_alike(device, op, device_splits):
+    """The dispatcher caches one decision per signature, M bucketed to a power of two, and
+    problem.py asks every check to agree within a bucket. torch_grouped_mm refused only
+    M > 2**31 - 1: a call with M=2**30+2 cached it, and a later M=2**31 of the same bucket
+    ran it with int32 ends that overflow (torch's overflow error from host splits, a
+    wrapped cumsum from device splits). Now it refuses the whole bucket, and every
+    registered backend's check agrees on both members of each pair."""
+    for small, large in SAME_BUCKET:
+        problems = [
+            gg.describe_problem(
+                op=op, groups=3, m=sum(s), n=64, k=64, device=device, splits=s, device_splits=device_splits
+            )
+            for s in (small, large)
+        ]
+        assert problems[0].signature == problems[1].signature
+        for entry in registry().entries():
+            codes = [sorted(r.code for r in entry.backend.check(p)) for p in problems]
+            assert codes[0] == codes[1], (entry.spec.name, small, large, codes)
