@@ -120,3 +120,22 @@ def test_every_backend_judges_a_whole_bucket_of_m_alike(device, op, device_split
         for entry in registry().entries():
             codes = [sorted(r.code for r in entry.backend.check(p)) for p in problems]
             assert codes[0] == codes[1], (entry.spec.name, small, large, codes)
+
+
+# ---- device names of the same device ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)], ids=["name", "torch.device"])
+def test_offsets_already_on_the_named_device_are_returned(device, gen):
+    """gg.offsets(offs, device=...) compared the parsed device with the offsets' own:
+    ``cpu:0`` (or cuda without an index against cuda:0) is the same device but not an equal
+    torch.device, so it was refused ("device='cpu:0' is invalid: cpu, where these offsets
+    already live"). Devices are now compared as a tensor on them reports them."""
+    sizes = torch.randint(0, 5, (4,), generator=gen).tolist()
+    offs = gg.offsets(sizes)
+    assert gg.offsets(offs, device=device) is offs
+    x = torch.randn(sum(sizes), 8, generator=gen)
+    w = torch.randn(4, 3, 8, generator=gen)
+    moved = gg.offsets(torch.tensor(sizes), device=device)
+    assert moved.device == torch.device("cpu")
+    assert rel_error(gg.grouped_gemm(x, w, moved), ref_fwd(x, w, sizes)) < 1e-6
