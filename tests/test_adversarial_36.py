@@ -139,3 +139,29 @@ def test_offsets_already_on_the_named_device_are_returned(device, gen):
     moved = gg.offsets(torch.tensor(sizes), device=device)
     assert moved.device == torch.device("cpu")
     assert rel_error(gg.grouped_gemm(x, w, moved), ref_fwd(x, w, sizes)) < 1e-6
+
+
+# ---- a layer's out= sharing memory with its bias -------------------------------------------
+
+
+def test_a_layer_out_sharing_memory_with_its_bias_is_refused(gen):
+    """grouped_linear / GroupedLinear(out=buf) with the (G, N) bias a view of buf: the GEMM
+    checks out against x and w only, wrote buf, and the bias then added was the overwritten
+    rows (relative error ~0.8 against float64). Now out is refused, naming the bias, before
+    anything is written; a disjoint out still gets the right numbers."""
+    sizes = [2, 4]
+    x = torch.randn(6, 8, generator=gen)
+    w = torch.randn(2, 4, 8, generator=gen)
+    buf = torch.randn(6, 4, generator=gen)
+    before = buf.clone()
+    with pytest.raises(gg.InvalidArgumentError, match=r"^out=.*shares no memory with the input bias"):
+        gg.grouped_linear(x, w, sizes, buf[:2], out=buf)
+    assert torch.equal(buf, before)
+    layer = gg.GroupedLinear(2, 8, 4, dtype=torch.float32)
+    with torch.no_grad():
+        layer.bias.data = buf[4:]
+        with pytest.raises(gg.InvalidArgumentError, match=r"^out=.*shares no memory with the input bias"):
+            layer(x, sizes, out=buf)
+        out = torch.empty(6, 4)
+        expected = ref_fwd(x, layer.weight, sizes) + layer.bias.double().repeat_interleave(torch.tensor(sizes), 0)
+        assert rel_error(layer(x, sizes, out=out), expected) < 1e-6
