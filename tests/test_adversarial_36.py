@@ -13,7 +13,7 @@ import torch
 import grouped_gemm as gg
 from grouped_gemm import backend, ops
 from grouped_gemm.registry import registry
-from grouped_gemm.testing import ref_dgrad, ref_fwd, rel_error
+from grouped_gemm.testing import ref_dgrad, ref_fwd, rel_error, sqnr_db
 
 # ---- batch_sizes items of gmm -------------------------------------------------------------
 
@@ -165,3 +165,35 @@ def test_a_layer_out_sharing_memory_with_its_bias_is_refused(gen):
         out = torch.empty(6, 4)
         expected = ref_fwd(x, layer.weight, sizes) + layer.bias.double().repeat_interleave(torch.tensor(sizes), 0)
         assert rel_error(layer(x, sizes, out=out), expected) < 1e-6
+
+
+# ---- lazily negated operands ---------------------------------------------------------------
+
+
+def _negated_view(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """A real fp32 tensor carrying torch's negative bit, as public code makes one."""
+    z = torch.complex(torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen))
+    view = z.conj().imag
+    assert view.is_neg() and view.dtype == torch.float32
+    return view
+
+
+def test_mx_quantization_of_a_negated_view_matches_the_resolved_tensor(gen):
+    """``z.conj().imag`` is a real tensor with the negative bit set: the torch quantizer's
+    ``.view(torch.int32)`` of it raised "view is not supported for tensors with negative bit
+    set", out of gg.quantize_mx / quantize_mx_weight and as the reference backend's
+    BackendRunError for an MX grouped_gemm. It is resolved first now: the same codes as
+    the resolved copy, and the MX product of the true values."""
+    x = _negated_view(64, 32, gen)
+    resolved = x.resolve_neg()
+    for axis in (0, 1):
+        got, want = gg.quantize_mx(x, "e4m3", axis=axis), gg.quantize_mx(resolved, "e4m3", axis=axis)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    w_view = _negated_view(64, 32, gen).view(2, 32, 32)
+    assert torch.equal(gg.quantize_mx_weight(w_view, "e2m1").data, gg.quantize_mx_weight(w_view.clone(), "e2m1").data)
+    w = torch.randn(2, 16, 32, generator=gen)
+    sizes = [40, 24]
+    y = gg.grouped_gemm(x, w, sizes, recipe="mxfp8", backend="reference")
+    assert torch.equal(y, gg.grouped_gemm(resolved, w, sizes, recipe="mxfp8", backend="reference"))
+    assert sqnr_db(y, ref_fwd(resolved, w, sizes)) > 25
