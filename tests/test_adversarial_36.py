@@ -197,3 +197,14 @@ def test_mx_quantization_of_a_negated_view_matches_the_resolved_tensor(gen):
     y = gg.grouped_gemm(x, w, sizes, recipe="mxfp8", backend="reference")
     assert torch.equal(y, gg.grouped_gemm(resolved, w, sizes, recipe="mxfp8", backend="reference"))
     assert sqnr_db(y, ref_fwd(resolved, w, sizes)) > 25
+
+
+def test_a_meta_layer_with_fused_accumulation_is_refused_for_its_meta_input():
+    """Every meta tensor's data pointer is 0, so the overlap check found each main_grad
+    "overlapping" its meta weight and refused weight.main_grad (it shares no memory: there
+    is none). Meta tensors are skipped there now, and the call is refused for what is
+    wrong with it: a meta input, named as x."""
+    layer = gg.GroupedLinear(2, 4, 3, device="meta", dtype=torch.float32, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.empty(2, 3, 4, device="meta")
+    with pytest.raises(gg.DeviceMismatchError, match=r"^x=.*meta tensors have none"):
+        layer(torch.empty(5, 4, device="meta"), [2, 3])
