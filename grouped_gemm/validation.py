@@ -622,18 +622,19 @@ class Region(NamedTuple):
     written: bool
 
 
-def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
-    """(device, first byte, end byte) a tensor can touch; None when it has no elements or
-    no memory (meta: every data pointer is 0, so all of them seemed to overlap).
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(device index, first byte, end byte) a tensor can touch; None when it has no elements
+    or no memory (meta: every data pointer is 0, so all of them seemed to overlap).
 
-    Keyed by device, not by storage: tensors made over one buffer by numpy, DLPack or
-    ``torch.frombuffer`` share memory through distinct storages, whose overlap a
-    same-storage test missed (out= then overwrote rows of x not yet read)."""
+    Keyed by device (``get_device()``: -1 on the CPU), not by storage: tensors made over
+    one buffer by numpy, DLPack or ``torch.frombuffer`` share memory through distinct
+    storages, whose overlap a same-storage test missed (out= then overwrote rows of x not
+    yet read)."""
     if t.numel() == 0 or t.is_meta:
         return None
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
-    return (t.device.type, t.get_device()), start, start + (extent + 1) * t.element_size()
+    return t.get_device(), start, start + (extent + 1) * t.element_size()
 
 
 def first_overlap(regions: Sequence[Region]) -> tuple[Region, Region] | None:
@@ -644,7 +645,7 @@ def first_overlap(regions: Sequence[Region]) -> tuple[Region, Region] | None:
     range starts inside it while it is the furthest)."""
     spans = [(span, region) for region in regions if (span := _span(region.tensor)) is not None]
     spans.sort(key=lambda item: item[0][:2])
-    furthest: tuple[tuple[tuple[str, int], int, int], Region] | None = None
+    furthest: tuple[tuple[int, int, int], Region] | None = None
     for span, region in spans:
         if furthest is None or furthest[0][0] != span[0]:
             furthest = span, region
