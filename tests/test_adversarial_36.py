@@ -1,7 +1,8 @@
 """Adversarial cases from the thirty-sixth hunt: group sizes of ``gg.backend.gmm`` /
-``gg.ops.gmm``, memory shared through distinct storages, decisions shared by a bucket of M.
-Each test failed before its fix; CPU only, small shapes, fresh random data, float64
-references.
+``gg.ops.gmm``, memory shared through distinct storages (numpy / frombuffer aliases, a
+layer's bias inside its out= buffer, meta tensors), decisions shared by a bucket of M,
+device names of one device, lazily negated MX inputs. Each test failed before its fix;
+CPU only, small shapes, fresh random data, float64 references.
 """
 
 from __future__ import annotations
