@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__, hookimpl
+from grouped_gemm.problem import m_bucket
 from grouped_gemm.vocabulary import FLOAT_DTYPES
 
 #: torch checks that every stride but the unit one is a multiple of 16 bytes.
@@ -148,8 +149,16 @@ def _shape(problem: Problem) -> list[Reason]:
                 reasons.append(
                     Reason("align", f"{dim}={value} is not a positive multiple of {multiple} (16-byte strides)")
                 )
-    if problem.m > _MAX_ROWS:
-        reasons.append(Reason("shape", f"M={problem.m} does not fit the int32 offsets torch takes"))
+    # The whole bucket: a decision is shared by every M of its power-of-two bucket, so one
+    # made for M=2**30+1 ran M=2**31 too, whose last end does not fit (it wraps on the device).
+    if m_bucket(problem.m) > _MAX_ROWS:
+        reasons.append(
+            Reason(
+                "shape",
+                f"M={problem.m} shares its decision with M up to {m_bucket(problem.m)}, past the int32 "
+                "offsets torch takes",
+            )
+        )
     if problem.device.vendor == "cuda" and problem.groups > _CUDA_MAX_GROUPS:
         reasons.append(Reason("groups", f"G={problem.groups} exceeds the CUTLASS kernel's limit {_CUDA_MAX_GROUPS}"))
     return reasons

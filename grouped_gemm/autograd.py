@@ -50,7 +50,7 @@ from grouped_gemm.main_grad import fused_grad_placeholder, main_grads
 from grouped_gemm.mx import MXTensor
 from grouped_gemm.recipe_codec import op_recipe, recipe_from_key
 from grouped_gemm.recipes import Recipe
-from grouped_gemm.validation import snapshot_splits
+from grouped_gemm.validation import check_no_overlap, snapshot_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +230,10 @@ def run_grouped_linear(
         bufs = main_grads(weights, trained) if needs_main_grad else None
         y = fwd_op(x, weights, bias, splits, splits_tensor, key, bufs)
         return out.copy_(y) if out is not None else y
+    if out is not None and isinstance(bias, torch.Tensor):
+        # The GEMM checks out against x and w only; the bias is read after it wrote out.
+        # (Compiled, out is filled by a copy after the op: no overlap to refuse.)
+        check_no_overlap([out], (("bias", bias),))
     if needs_main_grad:
         main_grads(weights, trained)
     plan = LinearPlan(m_splits, recipe_from_key(key), fuse_wgrad_accumulation, frozen or {})

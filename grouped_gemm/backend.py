@@ -23,8 +23,6 @@ callers wrote (``a``, ``b``, ``c``, ``batch_sizes``, ``trans_a``, ``trans_b``).
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,8 +36,8 @@ from grouped_gemm.errors import (
     ShapeError,
     SplitsError,
 )
-from grouped_gemm.group_offsets import GroupOffsets
-from grouped_gemm.validation import META_REFUSAL, check_tensor, check_writable
+from grouped_gemm.group_offsets import GroupOffsets, as_ints
+from grouped_gemm.validation import META_REFUSAL, Region, check_tensor, check_writable, first_overlap
 
 __all__ = ["gmm"]
 
@@ -139,7 +137,7 @@ def check_batch_sizes(
         _check_count(batch_sizes, len(batch_sizes), groups)
         if not read_host:
             return list(batch_sizes)
-        return _check_sizes(_as_ints(batch_sizes), rows)
+        return _check_sizes(as_ints(batch_sizes, "batch_sizes"), rows)
     raise InvalidTypeError("batch_sizes", batch_sizes, _BATCH_SIZES)
 
 
@@ -149,20 +147,6 @@ def _check_count(batch_sizes: Any, count: int, groups: int | None) -> None:
             raise SplitsError("batch_sizes", batch_sizes, "at least one group")
     elif count != groups:
         raise SplitsError("batch_sizes", batch_sizes, f"one entry per group of b: expected {groups}, got {count}")
-
-
-def _as_ints(values: Sequence[Any]) -> list[int]:
-    out = []
-    for i, v in enumerate(values):
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
-            raise SplitsError(
-                "batch_sizes", values, f"integers; batch_sizes[{i}]={v!r} is a {type(v).__name__}"
-            ) from None
-    return out
 
 
 def _check_sizes(sizes: list[int], rows: int) -> list[int]:
@@ -177,20 +161,6 @@ def _check_sizes(sizes: list[int], rows: int) -> list[int]:
     return sizes
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` can touch, as [start, end) addresses."""
-    start = t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (last + 1) * t.element_size()
-
-
-def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if not x.numel() or not y.numel() or x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
-        return False
-    (x0, x1), (y0, y1) = _extent(x), _extent(y)
-    return x0 < y1 and y0 < x1
-
-
 def _check_c(c: Any, shape: tuple[int, ...], dims: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``c`` is written in place, so it must be exactly the result's tensor and share no memory
     with the operands (a kernel would read values it has already overwritten)."""
@@ -202,7 +172,7 @@ def _check_c(c: Any, shape: tuple[int, ...], dims: str, a: torch.Tensor, b: torc
         raise InvalidArgumentError("c", c, "a contiguous tensor (it is written in place)")
     check_writable("c", c)
     for name, operand in (("a", a), ("b", b)):
-        if _overlaps(c, operand):
+        if first_overlap([Region("c", c, True), Region(name, operand, False)]) is not None:
             raise InvalidArgumentError(
                 "c", c, f"memory that does not overlap {name} (c is written while {name} is read)"
             )

@@ -207,15 +207,26 @@ def offsets(m_splits: Any, device: torch.device | str | None = None) -> GroupOff
 def visible_device(device: Any) -> torch.device:
     """``device`` (a torch.device, name or index) as a torch.device this process can use:
     a value torch cannot parse, or a GPU that is not there, is named as ``device=`` here,
-    not in a RuntimeError or AssertionError from torch where the tensors move."""
+    not in a RuntimeError or AssertionError from torch where the tensors move.
+
+    Returned as a tensor on it reports its device (``"cpu:0"`` as ``cpu``, ``"cuda"`` with
+    the current GPU's index), so comparing it with a tensor's device means "the same
+    device": ``gg.offsets(offs, device="cpu:0")`` was refused as another device than cpu."""
     try:
         target = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
         raise InvalidArgumentError(
             "device", device, "a torch.device, a name such as 'cpu' or 'cuda:0', or the index of a visible GPU"
         ) from None
-    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
-        raise InvalidArgumentError("device", device, f"a GPU this process sees ({torch.cuda.device_count()} visible)")
+    if target.type == "cuda":
+        if (target.index or 0) >= torch.cuda.device_count():
+            raise InvalidArgumentError(
+                "device", device, f"a GPU this process sees ({torch.cuda.device_count()} visible)"
+            )
+        if target.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+    elif target.type == "cpu":
+        return torch.device("cpu")
     return target
 
 

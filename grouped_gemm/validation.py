@@ -623,12 +623,18 @@ class Region(NamedTuple):
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(storage, first byte, end byte) a tensor can touch; None when it has no elements."""
-    if t.numel() == 0:
+    """(device index, first byte, end byte) a tensor can touch; None when it has no elements
+    or no memory (meta: every data pointer is 0, so all of them seemed to overlap).
+
+    Keyed by device (``get_device()``: -1 on the CPU), not by storage: tensors made over
+    one buffer by numpy, DLPack or ``torch.frombuffer`` share memory through distinct
+    storages, whose overlap a same-storage test missed (out= then overwrote rows of x not
+    yet read)."""
+    if t.numel() == 0 or t.is_meta:
         return None
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
-    return t.untyped_storage().data_ptr(), start, start + (extent + 1) * t.element_size()
+    return t.get_device(), start, start + (extent + 1) * t.element_size()
 
 
 def first_overlap(regions: Sequence[Region]) -> tuple[Region, Region] | None:

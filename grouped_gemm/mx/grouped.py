@@ -208,6 +208,7 @@ def quantize_mx_rows(
     if t.dim() != 2:
         raise ShapeError("t", t, "a 2-D (M, C) tensor of token rows")
     _check_align(align, block_size)
+    t = t.resolve_neg()  # as quantize_checked: the Triton kernel reads memory without the sign bit
     host, sizes = _sizes(m_splits, t.shape[0], t.device)
     offsets, padded_offsets, padded_splits, total = _row_layout(host, sizes, t.shape[0], align, t.device)
     if t.device.type == "cuda":  # CUDA and ROCm: the fused kernel finds each row's group itself

@@ -89,7 +89,11 @@ def quantize_mx(
 
 def quantize_checked(t: torch.Tensor, f: MXFormat, axis: int, rule: str, block_size: int, missing: int) -> MXTensor:
     """``quantize_mx`` after ``check_args``: for callers that checked the arguments under
-    their own names (``quantize_mx_weight``'s ``w``), so they are not checked twice."""
+    their own names (``quantize_mx_weight``'s ``w``), so they are not checked twice.
+
+    A lazily negated view (``z.conj().imag``) is resolved first: the torch quantizer's
+    bit view of it raised, and the Triton one reads the memory without the sign."""
+    t = t.resolve_neg()
     if t.device.type == "cuda":  # CUDA and ROCm
         from grouped_gemm.mx import triton_quantizer  # imports Triton only when a GPU needs it
 
