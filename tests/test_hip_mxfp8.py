@@ -297,14 +297,22 @@ def test_portable_inner_product_matches_mma(tmp_path, gen):
     assert sqnr_db(outs[1], outs[0]) >= 90.0
 
 
+@pytest.fixture(scope="module")
+def shared_a(tmp_path_factory):
+    """The GG_MXFP8_REG_A=0 build (A through shared memory), compiled once for the module:
+    nvcc takes a minute or more a build, and a build per parametrization ran the GPU job
+    out of time."""
+    arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
+    return build.compile_extension(arch, tmp_path_factory.mktemp("shared_a"), defines=("GG_MXFP8_REG_A=0",))
+
+
 @pytest.mark.parametrize(("op", "k_outer"), [("fwd", False), ("dgrad", True), ("dgrad", False)])
-def test_register_a_matches_the_shared_memory_path(tmp_path, gen, op, k_outer):
+def test_register_a_matches_the_shared_memory_path(shared_a, gen, op, k_outer):
     """The default build (A to wgmma from registers, contraction order permuted alike in A and
     B, or B's natural order for a k-outer weight) against GG_MXFP8_REG_A=0 (A through shared
     memory): the same products (empty and partial groups, a partial last stage, columns short
     of a tile)."""
     arch = gg.explain(op="fwd", recipe="mxfp8", groups=1, m=1, n=32, k=32).problem.device.arch
-    shared_a = build.compile_extension(arch, tmp_path, defines=("GG_MXFP8_REG_A=0",))
     register_a = build.ensure(arch, "cuda").module
     groups, m, n, k = 3, 300, 224, 416
     splits = torch.tensor([100, 0, 200], dtype=torch.int32, device=DEVICE)
