@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 
 from grouped_gemm import Backend, BackendSpec, GroupedInputs, Problem, Reason, __version__, hookimpl
-from grouped_gemm.problem import m_bucket
 from grouped_gemm.vocabulary import FLOAT_DTYPES
 
 #: torch checks that every stride but the unit one is a multiple of 16 bytes.
@@ -151,11 +150,11 @@ def _shape(problem: Problem) -> list[Reason]:
                 )
     # The whole bucket: a decision is shared by every M of its power-of-two bucket, so one
     # made for M=2**30+1 ran M=2**31 too, whose last end does not fit (it wraps on the device).
-    if m_bucket(problem.m) > _MAX_ROWS:
+    if problem.m_bucket > _MAX_ROWS:
         reasons.append(
             Reason(
                 "shape",
-                f"M={problem.m} shares its decision with M up to {m_bucket(problem.m)}, past the int32 "
+                f"M={problem.m} shares its decision with M up to {problem.m_bucket}, past the int32 "
                 "offsets torch takes",
             )
         )

@@ -148,11 +148,13 @@ class Backend(abc.ABC):
     spec: BackendSpec
 
     def check(self, problem: Problem) -> list[Reason]:
-        """Extra reasons this backend cannot run ``problem``; empty means eligible."""
+        """Extra reasons this backend cannot run ``problem``; empty means eligible. Reads M
+        only as ``problem.m_bucket``, like ``priority``."""
         return []
 
     def priority(self, problem: Problem) -> int:
-        """Rank among eligible backends when the user set no order; higher wins."""
+        """Rank among eligible backends when the user set no order; higher wins. Reads M
+        only as ``problem.m_bucket``: the decision serves every M of the bucket."""
         return self.spec.priority
 
     def prepare(self, problem: Problem) -> list[Reason]:

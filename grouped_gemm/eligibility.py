@@ -71,13 +71,17 @@ def declared_reasons(spec: BackendSpec, problem: Problem) -> list[Reason]:
     if spec.max_groups is not None and problem.groups > spec.max_groups:
         add(Reason("groups", f"G={problem.groups} exceeds the maximum {spec.max_groups}"))
     if spec.max_padding is not None and problem.max_rows is not None:
+        # Judged against M's bucket, as the decision serves every M there: just above a
+        # power of two the padding can reach twice the limit, at a power of two (the usual
+        # token count) it is exact.
         padded = problem.groups * problem.max_rows
-        if padded > spec.max_padding * max(problem.m, 1):
+        if padded > spec.max_padding * max(problem.m_bucket, 1):
             add(
                 Reason(
                     "shape",
                     f"pads every group to the largest: G={problem.groups} x up to {problem.max_rows} rows = "
-                    f"{padded} rows for M={problem.m}, more than {spec.max_padding:g}x; the splits are too uneven",
+                    f"{padded} rows, more than {spec.max_padding:g}x M's bucket ({problem.m_bucket} rows); "
+                    "the splits are too uneven",
                 )
             )
     if spec.host_splits and problem.capturing:

@@ -13,7 +13,7 @@ wgrad   dy ``(M, N)``  x  ``(M, K)``   ``(G, N, K)``
 Decisions are made per ``signature``: the problem with M rounded up to a power of two
 (the dispatch cache buckets M the same way), so ragged token counts that change every step
 reuse one decision. A backend's ``check``
-and ``priority`` must therefore not depend on M beyond its bucket.
+and ``priority`` must therefore not depend on M beyond its bucket: they read ``m_bucket``.
 
 ``build_problem`` is the one way a Problem is made, for a real call (``validation``) and a
 described one (``describe_problem``) alike, so the two cannot disagree.
@@ -80,11 +80,17 @@ class Problem:
     out_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False, hash=False)
     #: ``out_dtype`` as a torch dtype (None for a name no call makes).
     out_torch_dtype: torch.dtype | None = dataclasses.field(init=False, repr=False, compare=False, hash=False)
+    #: M rounded up to a power of two: all of M that ``check`` and ``priority`` may read,
+    #: since one decision serves every M of the bucket (the call that filled the cache
+    #: must not decide the route of the next).
+    m_bucket: int = dataclasses.field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # Computed once: every call checks its result against both (issue 14's host time).
         fields = tuple(getattr(self, f.name) for f in _KEY_FIELDS)
-        object.__setattr__(self, "signature", fields[:3] + (m_bucket(self.m),) + fields[4:])
+        bucket = m_bucket(self.m)
+        object.__setattr__(self, "m_bucket", bucket)
+        object.__setattr__(self, "signature", fields[:3] + (bucket,) + fields[4:])
         if self.op == "fwd":
             shape: tuple[int, ...] = (self.m, self.n)
         elif self.op == "dgrad":

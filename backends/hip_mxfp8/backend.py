@@ -51,8 +51,9 @@ PRIORITY = {"sm_89": 30, "sm_90": 30, "gfx950": 10}
 #: slower on every row with 256 rows a group or more (docs/performance.md, "The
 #: twenty-fifth session").
 SMALL_GROUPS_PRIORITY = 85
-#: Rows a group on average (M / G) that count as small: above the decode cases' 16, up to
-#: gpt-oss's 128 (the measured ends; nothing between them was timed).
+#: Rows a group on average (M's bucket / G, as one route serves the bucket) that count as
+#: small: above the decode cases' 16, up to gpt-oss's 128 (the measured ends; nothing
+#: between them was timed).
 SMALL_GROUP_MEAN_ROWS = (16, 128)
 
 
@@ -109,7 +110,7 @@ class HipMxfp8Backend(Backend):
         where it measured faster than ``triton_mxfp8`` (80) with weights quantized in the
         call and pre-quantized; else 30 on sm_90 (below it), 10 on gfx950 (docs/backends.md)."""
         fewest, most = SMALL_GROUP_MEAN_ROWS
-        small = fewest * problem.groups < problem.m <= most * problem.groups
+        small = fewest * problem.groups < problem.m_bucket <= most * problem.groups
         if problem.device.arch == "sm_90" and problem.op != "wgrad" and small:
             return SMALL_GROUPS_PRIORITY
         return PRIORITY.get(problem.device.arch, self.spec.priority)

@@ -50,17 +50,22 @@ FEW_GROUPS = 64
 #: tiles, then 1.41-1.49x and 1.41-1.53x in two runs of the 128 x 256 tiles (2026-12-04,
 #: ``grouped-gemm bench --device-splits``, balanced and skewed, fwd and dgrad).
 DECODE_PRIORITY = 60
-#: Decode: at most this many rows per group on average (M / G, known on the host).
+#: Decode: at most this many rows per group on average (M's bucket / G: one route serves
+#: every M of a power-of-two bucket; the measured decode cases have M a power of two).
 DECODE_MEAN_ROWS = 16
 #: ... and experts of at least this many weight elements (N * K): the smallest measured
 #: expert (qwen3-30B, 3.1 M) rounded down to a power of two; smaller ones are unmeasured.
 DECODE_MIN_WEIGHT = 1 << 21
-#: fwd / dgrad with MID_MEAN_ROWS rows per group on average: above ``torch_grouped_mm``.
+#: fwd / dgrad with MID_MEAN_ROWS rows per group on average (M's bucket / G): above
+#: ``torch_grouped_mm``.
 #: On the H200 (2026-12-04, ``grouped-gemm bench --rows-per-group``, device splits) this
 #: kernel was 1.01-1.63x ``torch._grouped_mm`` at 64 and 128 rows on six expert shapes
 #: (gpt-oss down, qwen3-30B down and gate-up, dsv3 down, mixtral down, qwen3-235B
 #: gate-up), balanced and skewed; at 256 rows only on skewed splits (0.87-0.96x balanced),
-#: which the host cannot see in device splits, so larger groups stay with torch.
+#: which the host cannot see in device splits, so larger groups stay with torch. Read by
+#: M's bucket, the range takes M from just over 32 rows a group (G a power of two): 33-63
+#: rows were not timed, but the lead grew as groups shrank (64 rows 1.24-1.63x, decode
+#: 1.37-1.53x).
 MID_PRIORITY = 55
 MID_MEAN_ROWS = (64, 128)
 #: 16-byte rows (8 elements of 16 bits) for N and K: Triton's vectorized loads. The masked
@@ -122,9 +127,9 @@ class TritonGroupedBackend(Backend):
         if problem.op == "wgrad":
             if problem.host_splits and problem.groups <= FEW_GROUPS:
                 return FEW_LARGE_GROUPS_WGRAD_PRIORITY
-        elif problem.m <= DECODE_MEAN_ROWS * problem.groups and problem.n * problem.k >= DECODE_MIN_WEIGHT:
+        elif problem.m_bucket <= DECODE_MEAN_ROWS * problem.groups and problem.n * problem.k >= DECODE_MIN_WEIGHT:
             return DECODE_PRIORITY
-        elif MID_MEAN_ROWS[0] * problem.groups <= problem.m <= MID_MEAN_ROWS[1] * problem.groups:
+        elif MID_MEAN_ROWS[0] * problem.groups <= problem.m_bucket <= MID_MEAN_ROWS[1] * problem.groups:
             return MID_PRIORITY
         return self.spec.priority
 
