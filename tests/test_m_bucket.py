@@ -60,4 +60,4 @@ def test_padding_limit_is_judged_by_the_bucket(m):
     call of the bucket chose for both. 1025 rows in one group (max_rows 2048) pad to 16384:
     refused for both."""
     assert _padded_bmm_reasons(m, 600) == set()
-    assert _padded_bmm_reasons(2048, 1025) == {"shape"}
+    assert _padded_bmm_reasons(m, 1025) == {"shape"}
