@@ -385,6 +385,15 @@ def _as_tensor(result: Any) -> torch.Tensor:
     return result
 
 
+def _same_config(stored: Config, offered: Config) -> bool:
+    """Equal keys and values of equal types. ``==`` has ``2.0 == 2 == True``: a stored
+    ``{"bm": 64.0}`` (a hand edit, a JSON tool) matched the offered ``{"bm": 64}`` and
+    reached the backend, whose check of the int tile then failed every call."""
+    return stored.keys() == offered.keys() and all(
+        type(value) is type(offered[key]) and value == offered[key] for key, value in stored.items()
+    )
+
+
 def _configs(backend: Any, problem: Problem) -> list[Config]:
     """A backend's kernel configs for ``problem`` via the optional hook (none without it)."""
     configs_of = getattr(backend, "configs", None)
@@ -494,9 +503,10 @@ class Tuner:
         if config is None:
             return True
         try:
-            return config in _configs(registry().get(name).backend, problem)
+            offered = _configs(registry().get(name).backend, problem)
         except PLUGIN_ERRORS:  # unregistered, no run_config, a failing configs(): not offered
             return False
+        return any(_same_config(config, c) for c in offered)
 
     @staticmethod
     def _offers_configs(name: str) -> bool:
