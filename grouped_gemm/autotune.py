@@ -496,6 +496,16 @@ class Tuner:
             decision, candidates=candidates, selected=chosen.backend, config=chosen.config, tuning=tuning
         )
 
+    @classmethod
+    def _serves(cls, tuning: Tuning, eligible: list[Candidate], problem: Problem) -> bool:
+        """Whether ``apply`` takes ``tuning`` as it is: it timed every eligible backend and
+        its winner's config is offered now. One it refuses (a config not offered) must be
+        measured again, not returned: it stayed, and every call warned and ran untuned."""
+        if not {c.name for c in eligible} <= tuning.backends():
+            return False
+        chosen = choose(tuning.timings, {c.name: i for i, c in enumerate(eligible)}, close=tuning.close_call)
+        return chosen is None or cls._runs_config(chosen.backend, chosen.config, problem)
+
     @staticmethod
     def _runs_config(name: str, config: Config | None, problem: Problem) -> bool:
         """Whether backend ``name`` offers ``config`` for ``problem`` now (None: its default
@@ -537,7 +547,7 @@ class Tuner:
         with self._lock, torch.no_grad(), on_device:
             stored = self.lookup(problem)
             eligible = [c for c in decision.candidates if c.eligible]
-            if stored is not None and {c.name for c in eligible} <= stored.backends():
+            if stored is not None and self._serves(stored, eligible, problem):
                 return stored  # another thread measured it meanwhile
             started = time.perf_counter()
             contenders, excluded = self._contenders(problem, inputs, eligible)

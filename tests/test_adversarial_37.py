@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -92,3 +93,26 @@ def test_a_stored_config_equal_only_by_value_is_not_offered(value, tiled, gen):
     with pytest.warns(tuning_store.AutotuneCacheWarning, match="does not offer that config"):
         y = gg.grouped_gemm(x, w, SPLITS)
     assert testing.rel_error(y, testing.ref_fwd(x, w, SPLITS)) < 1e-6
+
+
+def test_a_stored_config_not_offered_is_measured_again_and_replaced(tiled, gen):
+    """The warning said "measuring again", but ``Tuner.measure`` took the stored entry for one
+    another thread had just measured (it named every eligible backend) and returned it
+    unmeasured: the entry stayed, every call ran untuned on the slow path and warned twice
+    (6 warnings in 3 calls), in every process. Now it is measured once and replaced."""
+    path, document, x, w = _tuned(gen)
+    _edit_choice(path, document, lambda config: config.update(tile=7))
+    tuned = gg.dispatch_stats()["autotune"]["tuned"]
+    with pytest.warns(tuning_store.AutotuneCacheWarning, match="does not offer that config"):
+        y = gg.grouped_gemm(x, w, SPLITS)
+    assert testing.rel_error(y, testing.ref_fwd(x, w, SPLITS)) < 1e-6
+    assert gg.dispatch_stats()["autotune"]["tuned"] == tuned + 1
+    entry = next(iter(json.loads(path.read_text())["entries"].values()))
+    assert entry["config"] == {"delay": 0.0002, "tile": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            y = gg.grouped_gemm(x, w, SPLITS)
+            assert testing.rel_error(y, testing.ref_fwd(x, w, SPLITS)) < 1e-6
+    decision = gg.explain(x, w, SPLITS)
+    assert (decision.selected, decision.config) == ("tiled", {"delay": 0.0002, "tile": 1})
