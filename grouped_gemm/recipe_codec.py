@@ -41,7 +41,8 @@ def recipe_from_key(key: str) -> Recipe:
     if not changes:
         return base
     fields = dict(change.partition("=")[::2] for change in changes)
-    if fields.keys() != {"scale_rule", "grad_format"}:
+    # Each field once: a repeated one would silently take its last value.
+    if len(changes) != len(fields) or fields.keys() != {"scale_rule", "grad_format"}:
         raise UnknownRecipeError("recipe", key, "a recipe name, or name;scale_rule=...;grad_format=...")
     grad_format = None if fields["grad_format"] == "none" else fields["grad_format"]
     return get_recipe(base.model_copy(update={"scale_rule": fields["scale_rule"], "grad_format": grad_format}))

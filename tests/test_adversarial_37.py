@@ -1,6 +1,6 @@
 """Adversarial cases from the thirty-seventh hunt: stored autotune choices whose config
-the backend does not offer as stored. Each test failed before its fix; CPU only, small
-shapes, fresh random data, float64 references.
+the backend does not offer as stored, recipe strings naming a field twice. Each test
+failed before its fix; CPU only, small shapes, fresh random data, float64 references.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm import autotune, testing, tuning_store, validation
+from grouped_gemm import autotune, ops, testing, tuning_store, validation
 from grouped_gemm.registry import registry
 
 HERE = Path(__file__).resolve().parent
@@ -116,3 +116,26 @@ def test_a_stored_config_not_offered_is_measured_again_and_replaced(tiled, gen):
             assert testing.rel_error(y, testing.ref_fwd(x, w, SPLITS)) < 1e-6
     decision = gg.explain(x, w, SPLITS)
     assert (decision.selected, decision.config) == ("tiled", {"delay": 0.0002, "tile": 1})
+
+
+# ---- recipe keys ---------------------------------------------------------------------------
+
+REPEATED_KEYS = [
+    "mxfp8;scale_rule=floor;grad_format=e5m2;scale_rule=rceil",
+    "mxfp8;scale_rule=floor;grad_format=e5m2;grad_format=e4m3",
+]
+
+
+@pytest.mark.parametrize("key", REPEATED_KEYS)
+def test_a_recipe_key_naming_a_field_twice_is_refused(key, gen):
+    """A recipe string may change ``scale_rule`` and ``grad_format``; one naming a field twice
+    ran silently with the last value (``...;scale_rule=floor;...;scale_rule=rceil`` as rceil),
+    whichever the caller meant. Now it is refused, naming the string."""
+    a = torch.randn(8, 32, generator=gen, dtype=torch.bfloat16)
+    b = torch.randn(2, 32, 16, generator=gen, dtype=torch.bfloat16)
+    with pytest.raises(gg.UnknownRecipeError, match=r"^recipe='mxfp8;scale_rule=floor;.* is invalid: a recipe name"):
+        ops.gmm(a, b, [3, 5], recipe=key)
+    y = ops.gmm(a, b, [3, 5], recipe="mxfp8;scale_rule=floor;grad_format=e5m2")
+    floor = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor", "grad_format": "e5m2"})
+    assert torch.equal(y, ops.gmm(a, b, [3, 5], recipe=floor))
+    assert testing.sqnr_db(y, testing.ref_dgrad(a, b, [3, 5])) > 18  # two e4m3 operands, floor scales
