@@ -9,7 +9,8 @@ routes its own tokens. A forward pass:
 2. exchanges the per-expert row counts (``all_to_all`` of ``world_size * L`` integers;
    one host sync, since ``all_to_all_single`` takes its split sizes as Python ints);
    the first forward (or ``full_state_dict``) also gathers every rank's configuration
-   (``num_experts``, ``hidden``, ``ffn``, dtype, ...) and raises on every rank if they differ;
+   (``num_experts``, ``hidden``, ``ffn``, dtype, ..., and a fingerprint of the replicated
+   router) and raises on every rank if they differ;
 3. dispatches the rows (``all_to_all``), re-sorts what arrived by local expert, runs
    gate-up -> activation -> down with the received counts as ``m_splits``;
 4. combines (the reverse ``all_to_all``) and sums each token's ``top_k`` expert outputs
@@ -150,6 +151,16 @@ class Routing:
     order: torch.Tensor | None
 
 
+def _fingerprint(t: torch.Tensor) -> list[int]:
+    """Two integers that tell bitwise different tensors of one shape and dtype apart: the
+    sum of their bytes, and that sum weighted by position (a permutation changes it).
+    Integer sums are exact in any order, so every rank gets the same numbers for the same
+    tensor (a float sum depends on the reduction order, e.g. on the thread count)."""
+    bits = t.detach().contiguous().flatten().view(torch.uint8).long()  # any dtype: its bytes
+    place = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return [int(bits.sum()), int((bits * place).sum())]
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgumentError(name, value, "a positive integer")
@@ -192,7 +203,8 @@ class ExpertParallelMoE(torch.nn.Module):
     is initialised then, else none (a local layer); a group of one (e.g. from
     ``dist.new_subgroups(group_size=1)``) also gives the local layer inside a distributed job.
 
-    Parameters: ``router.weight`` ``(num_experts, hidden)``, replicated (each rank's
+    Parameters: ``router.weight`` ``(num_experts, hidden)``, replicated (the same on every
+    rank, checked at the first forward: seed the ranks alike or load one state; each rank's
     gradient covers its own tokens: sum it over the group, as data-parallel training
     does, to get the whole batch's); ``gate_up`` and ``down`` are ``GroupedLinear``
     layers holding this rank's ``num_experts / world_size`` experts. ``state_dict()`` is
@@ -315,7 +327,8 @@ class ExpertParallelMoE(torch.nn.Module):
         layer. A rank with another num_experts, hidden or dtype sends sizes the others do
         not expect (gloo aborts the process; a mixed 16-bit dtype would be read as garbage),
         another ffn or bias gathers shards that do not fit; another recipe or
-        normalize_weights runs silently as another layer on that rank's experts or tokens.
+        normalize_weights runs silently as another layer on that rank's experts or tokens,
+        and so does another router (ranks seeded apart build different ones).
         Every rank gathers the same table, so all raise together and none hangs."""
         dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
         activations = sorted(ACTIVATIONS)
@@ -338,6 +351,8 @@ class ExpertParallelMoE(torch.nn.Module):
             "dtype": dtypes.index(dtype) if dtype in dtypes else -1,
             # The recipe key's bytes (a built-in's name, plus a changed scale_rule / grad_format).
             "recipe": list(recipe_key(self.gate_up.recipe).encode().ljust(_RECIPE_BYTES, b"\0")),
+            # Last: its shape and dtype agree once every field above does.
+            "router.weight": _fingerprint(self.router.weight),
         }
         row = [v for value in mine.values() for v in (value if isinstance(value, list) else [value])]
         table = [torch.empty(len(row), dtype=torch.int64, device=device) for _ in range(self.world_size)]
@@ -346,6 +361,14 @@ class ExpertParallelMoE(torch.nn.Module):
             theirs = iter(t.tolist())
             for name, value in mine.items():
                 other = [next(theirs) for _ in value] if isinstance(value, list) else next(theirs)
+                if value != other and name == "router.weight":
+                    raise InvalidArgumentError(
+                        name,
+                        self.router.weight,
+                        f"the same on every rank of the group (the router is replicated), but rank {rank}'s "
+                        "differs: build the layer after seeding every rank alike, or load one state on "
+                        "every rank (load_full_state_dict)",
+                    )
                 if value != other:
                     show = decode.get(name, int)
                     raise InvalidArgumentError(

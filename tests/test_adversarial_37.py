@@ -1,12 +1,16 @@
 """Adversarial cases from the thirty-seventh hunt: stored autotune choices whose config
-the backend does not offer as stored, recipe strings naming a field twice. Each test
-failed before its fix; CPU only, small shapes, fresh random data, float64 references.
+the backend does not offer as stored, recipe strings naming a field twice, an
+expert-parallel router that differs between ranks. Each test failed before its fix; CPU
+only (two gloo processes), small shapes, fresh random data, float64 references.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +20,7 @@ import torch
 
 import grouped_gemm as gg
 from grouped_gemm import autotune, ops, testing, tuning_store, validation
+from grouped_gemm.parallel import ExpertParallelMoE
 from grouped_gemm.registry import registry
 
 HERE = Path(__file__).resolve().parent
@@ -139,3 +144,96 @@ def test_a_recipe_key_naming_a_field_twice_is_refused(key, gen):
     floor = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor", "grad_format": "e5m2"})
     assert torch.equal(y, ops.gmm(a, b, [3, 5], recipe=floor))
     assert testing.sqnr_db(y, testing.ref_dgrad(a, b, [3, 5])) > 18  # two e4m3 operands, floor scales
+
+
+# ---- expert parallelism: the replicated router ------------------------------------------
+
+EP_ARGS = (4, 8, 6, 2)  # num_experts, hidden, ffn, top_k
+EP_TOKENS = [5, 7]
+
+
+def _ep_worker(rank: int, store: str, out_dir: str) -> None:
+    """One of 2 gloo ranks. Layers built after seeding each rank differently (``seed + rank``,
+    a common idiom) have different routers: forward and full_state_dict must say so on
+    both ranks. Then one state loaded on both: the layer matches the float64 MoE."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from grouped_gemm.parallel import ACTIVATIONS
+
+    torch.manual_seed(7)  # the same on both ranks: the whole layer and batch
+    ref = ExpertParallelMoE(*EP_ARGS, dtype=torch.float32)
+    x_all = torch.randn(sum(EP_TOKENS), EP_ARGS[1])
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
+    results: dict[str, object] = {}
+    try:
+        rows = slice(sum(EP_TOKENS[:rank]), sum(EP_TOKENS[: rank + 1]))
+        for name, use in {
+            "forward": lambda layer: layer(x_all[rows]),
+            "full_state_dict": ExpertParallelMoE.full_state_dict,
+        }.items():
+            torch.manual_seed(100 + rank)
+            try:
+                use(ExpertParallelMoE(*EP_ARGS, dtype=torch.float32))
+                results[name] = "returned"
+            except gg.InvalidArgumentError as e:
+                results[name] = str(e)
+        torch.manual_seed(100 + rank)
+        layer = ExpertParallelMoE(*EP_ARGS, dtype=torch.float32)
+        layer.load_full_state_dict(ref.state_dict())
+        y = layer(x_all[rows])
+        state = {k: v.double() for k, v in layer.full_state_dict().items()}
+        x64 = x_all[rows].double()
+        weight, chosen = (x64 @ state["router.weight"].T).softmax(-1).topk(EP_ARGS[3], dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        want = torch.zeros_like(x64)
+        act = ACTIVATIONS[layer.activation][1]  # swiglu: gate-up gives gate and up
+        for t in range(x64.shape[0]):
+            for j, e in enumerate(chosen[t].tolist()):
+                gate, up = (state["gate_up.weight"][e] @ x64[t]).chunk(2)
+                want[t] += weight[t, j] * (state["down.weight"][e] @ (act(gate) * up))
+        results["rel_error"] = testing.rel_error(y, want)
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def test_a_router_that_differs_between_ranks_is_named(tmp_path):
+    """The router is replicated, but nothing made it so: after ``torch.manual_seed(seed +
+    rank)`` each rank built its own random router, the layer routed each rank's tokens
+    with another router (no single layer computes that), and ``full_state_dict``, which
+    promises every rank the same dict, gave each rank its own router; silently. Now the
+    first forward or full_state_dict names router.weight on every rank."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--ep-worker", str(r), str(tmp_path / "store"), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("forward", "full_state_dict"):
+            assert res[name].startswith("router.weight=Tensor(shape=(4, 8)"), (rank, name, res[name])
+            assert f"rank {1 - rank}'s differs" in res[name], res[name]
+        assert res["rel_error"] < 1e-6, res
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--ep-worker"]:
+    _ep_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    os._exit(0)  # skip interpreter teardown, where gloo's threads can abort the process
