@@ -1,14 +1,18 @@
 """Adversarial cases from the thirty-seventh hunt: stored autotune choices whose config
-the backend does not offer as stored, recipe strings naming a field twice, an
-expert-parallel router that differs between ranks. Each test failed before its fix; CPU
-only (two gloo processes), small shapes, fresh random data, float64 references.
+the backend does not offer as stored, recipe strings naming a field twice, library
+errors that did not survive pickling or fullgraph tracing, an expert-parallel router
+that differs between ranks. Each test failed before its fix; CPU only (two gloo
+processes), small shapes, fresh random data, float64 references.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
+import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import warnings
@@ -144,6 +148,62 @@ def test_a_recipe_key_naming_a_field_twice_is_refused(key, gen):
     floor = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor", "grad_format": "e5m2"})
     assert torch.equal(y, ops.gmm(a, b, [3, 5], recipe=floor))
     assert testing.sqnr_db(y, testing.ref_dgrad(a, b, [3, 5])) > 18  # two e4m3 operands, floor scales
+
+
+# ---- the library's errors across processes and under torch.compile ----------------------
+
+ERRORS = [
+    gg.InvalidArgumentError("m_splits", [-1, 3], "non-negative group sizes"),
+    gg.SplitsError("m_splits", torch.tensor([4, 1]), "group sizes summing to x.shape[0]=3"),
+    gg.DTypeError("x", torch.zeros(2, 2, dtype=torch.float64), "dtype bfloat16, float16 or float32"),
+    gg.BackendRunError("reference", "fwd fp32 G=2", RuntimeError("boom")),
+]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=[type(e).__name__ for e in ERRORS])
+def test_an_error_pickles_with_its_message_and_attributes(error):
+    """Unpickling called ``cls(*args)`` with the one message where ``__init__`` takes
+    (argument, value, allowed) or (backend, problem, cause): TypeError. Pickling is how a
+    worker's error reaches its parent (multiprocessing, concurrent.futures)."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    for key, value in vars(error).items():
+        assert key in vars(back)
+        if not isinstance(value, torch.Tensor):
+            assert vars(back)[key] == value, key
+
+
+def _bad_splits_call(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return gg.grouped_gemm(torch.randn(3, 4, generator=gen), torch.randn(2, 5, 4, generator=gen), [1, 5])
+
+
+def test_an_error_in_a_process_pool_worker_reaches_the_caller():
+    """A SplitsError raised in a ProcessPoolExecutor worker came back as ``BrokenProcessPool:
+    A process in the process pool was terminated abruptly`` (the parent could not unpickle
+    it; ``multiprocessing.Pool.map`` hung instead). Now the caller gets the error itself."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        future = pool.submit(_bad_splits_call, 5)
+        with pytest.raises(gg.SplitsError, match=r"^m_splits=\[1, 5\] is invalid: .*x.shape\[0\]=3") as caught:
+            future.result(timeout=60)
+    assert caught.value.argument == "m_splits" and caught.value.value == [1, 5]
+
+
+def test_a_bad_argument_is_named_under_fullgraph_compile(gen):
+    """Under ``torch.compile(fullgraph=True)`` Dynamo traces the check that raises, and it
+    could not trace the error's ``super().__init__``: a bad argument of ``ops.gmm`` (or of
+    any layer) failed as "Attempted to call a super() attribute that is not a function or
+    method", naming neither argument nor value. Dynamo now reports the error it raised."""
+    torch._dynamo.reset()
+    a, b = torch.randn(8, 4, generator=gen), torch.randn(2, 4, 3, generator=gen)
+    try:
+        compiled = torch.compile(lambda a, b, s: ops.gmm(a, b, s, 1), backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match=r"InvalidTypeError\('trans_b', 1, 'True or False'\)"):
+            compiled(a, b, torch.tensor([3, 5]))
+        good = torch.compile(lambda a, b, s: ops.gmm(a, b, s), backend="eager", fullgraph=True)
+        assert testing.rel_error(good(a, b, torch.tensor([3, 5])), testing.ref_dgrad(a, b, [3, 5])) < 1e-6
+    finally:
+        torch._dynamo.reset()
 
 
 # ---- expert parallelism: the replicated router ------------------------------------------
