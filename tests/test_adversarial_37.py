@@ -150,6 +150,39 @@ def test_a_recipe_key_naming_a_field_twice_is_refused(key, gen):
     assert testing.sqnr_db(y, testing.ref_dgrad(a, b, [3, 5])) > 18  # two e4m3 operands, floor scales
 
 
+BAD_MXFP8 = {
+    "block_size": gg.Recipe(name="mxfp8", act_format="e4m3", weight_format="e4m3", grad_format="e4m3", block_size=16),
+    "weight_format": gg.Recipe(name="mxfp8", act_format="e4m3", weight_format="e2m1", grad_format="e4m3"),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_MXFP8))
+def test_a_recipe_object_the_key_cannot_carry_is_refused_under_compile(field, gen):
+    """Eager, ``get_recipe`` refuses a Recipe named after a built-in with another block size
+    or operand format. Under torch.compile it was skipped (Dynamo cannot trace pydantic),
+    ``recipe_key`` made the built-in's key from the name, and the op ran plain mxfp8,
+    silently: the compiled result equalled ``recipe="mxfp8"``'s bit for bit."""
+    recipe = BAD_MXFP8[field]
+    a = torch.randn(8, 64, generator=gen, dtype=torch.bfloat16)
+    b = torch.randn(2, 64, 16, generator=gen, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        for fullgraph in (True, False):
+            compiled = torch.compile(
+                lambda a, b: ops.gmm(a, b, [3, 5], recipe=recipe), backend="eager", fullgraph=fullgraph
+            )
+            error = rf"UnknownRecipeError\('recipe.{field}'" if fullgraph else r"^recipe=Recipe\(name='mxfp8'"
+            with pytest.raises(Exception, match=error):
+                compiled(a, b)
+        floor = gg.get_recipe("mxfp8").model_copy(update={"scale_rule": "floor"})  # a change the key carries
+        compiled = torch.compile(lambda a, b: ops.gmm(a, b, [3, 5], recipe=floor), backend="eager", fullgraph=True)
+        y = compiled(a, b)
+        assert torch.equal(y, ops.gmm(a, b, [3, 5], recipe=floor))
+        assert testing.sqnr_db(y, testing.ref_dgrad(a, b, [3, 5])) > 18
+    finally:
+        torch._dynamo.reset()
+
+
 # ---- the library's errors across processes and under torch.compile ----------------------
 
 ERRORS = [
