@@ -26,8 +26,8 @@ fails raises, the others wait for that timeout and then raise.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from grouped_gemm.errors import (
     InvalidTypeError,
     ShapeError,
 )
+from grouped_gemm.group_offsets import as_ints
 from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe
@@ -122,13 +123,16 @@ def all_to_all(
 
 
 def _rank_splits(name: str, splits: Any, world: int) -> list[int]:
-    """``splits`` as ``world`` non-negative ints (ints, numpy ints or 0-d integer tensors)."""
-    try:
-        values = [operator.index(v) if not isinstance(v, bool) else None for v in splits]
-    except TypeError:
-        values = [None]
-    if len(values) != world or any(v is None or v < 0 for v in values):
-        raise InvalidArgumentError(name, splits, f"{world} non-negative ints, one per rank of the group")
+    """``splits`` as ``world`` non-negative ints in rank order: a list, tuple or 1-D tensor
+    of ints, numpy ints or 1-element integer tensors (items as ``m_splits``' are checked).
+    A mapping or set is refused (its keys, or an arbitrary order, were read as the sizes),
+    and so is a bool or bool-tensor item (a bool tensor counted as 1)."""
+    allowed = f"{world} non-negative ints, one per rank of the group, in rank order"
+    if isinstance(splits, (Mapping, AbstractSet, str, bytes)) or not isinstance(splits, Iterable):
+        raise InvalidArgumentError(name, splits, allowed)
+    values = as_ints(list(splits), name)
+    if len(values) != world or any(v < 0 for v in values):
+        raise InvalidArgumentError(name, splits, allowed)
     return values
 
 

@@ -245,6 +245,48 @@ EP_ARGS = (4, 8, 6, 2)  # num_experts, hidden, ffn, top_k
 EP_TOKENS = [5, 7]
 
 
+BAD_RANK_SPLITS = {
+    "bool_tensor": torch.tensor([True]),  # counted as 1 (a Python bool was refused)
+    "meta_item": [torch.tensor(3, device="meta")],  # torch's bare "Tensor.item() ... meta"
+}
+
+
+@pytest.mark.parametrize("label", list(BAD_RANK_SPLITS))
+def test_all_to_all_names_splits_that_are_not_counts_in_rank_order(label, gen):
+    """On a one-rank gloo group (made here, destroyed after): a bool tensor's items were
+    taken as sizes and exchanged, a meta item raised torch's bare RuntimeError. Each is
+    named now; a list, 1-D tensor or numpy array of ints still moves the rows."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from grouped_gemm.parallel import all_to_all
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = torch.randn(3, 4, generator=gen)
+        bad = BAD_RANK_SPLITS[label]
+        n = 1 if label == "bool_tensor" else 3
+        with pytest.raises(gg.InvalidArgumentError, match=r"^send_splits="):
+            all_to_all(rows[:n], bad, [n], None)
+        for good in ([3], torch.tensor([3]), np.array([3])):
+            assert torch.equal(all_to_all(rows, good, good, None), rows)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("splits", "shown"), [({5, 3}, r"\{3, 5\}"), ({0: 5, 1: 3}, r"\{0: 5, 1: 3\}")])
+def test_rank_splits_in_a_set_or_mapping_are_refused(splits, shown):
+    """A set iterates in hash order (``{5, 3}`` was read as [3, 5]: rank 0's rows sent to
+    rank 1 and the other way round) and a mapping by its keys (``{0: 5, 1: 3}`` as
+    [0, 1]); silently, where the sizes happened to sum to the rows."""
+    from grouped_gemm.parallel import _rank_splits
+
+    with pytest.raises(gg.InvalidArgumentError, match=rf"^send_splits={shown} is invalid: .*in rank order"):
+        _rank_splits("send_splits", splits, 2)
+    assert _rank_splits("send_splits", (5, 3), 2) == [5, 3]
+
+
 def _ep_worker(rank: int, store: str, out_dir: str) -> None:
     """One of 2 gloo ranks. Layers built after seeding each rank differently (``seed + rank``,
     a common idiom) have different routers: forward and full_state_dict must say so on
