@@ -385,6 +385,15 @@ def _as_tensor(result: Any) -> torch.Tensor:
     return result
 
 
+def _same_config(stored: Config, offered: Config) -> bool:
+    """Equal keys and values of equal types. ``==`` has ``2.0 == 2 == True``: a stored
+    ``{"bm": 64.0}`` (a hand edit, a JSON tool) matched the offered ``{"bm": 64}`` and
+    reached the backend, whose check of the int tile then failed every call."""
+    return stored.keys() == offered.keys() and all(
+        type(value) is type(offered[key]) and value == offered[key] for key, value in stored.items()
+    )
+
+
 def _configs(backend: Any, problem: Problem) -> list[Config]:
     """A backend's kernel configs for ``problem`` via the optional hook (none without it)."""
     configs_of = getattr(backend, "configs", None)
@@ -487,6 +496,16 @@ class Tuner:
             decision, candidates=candidates, selected=chosen.backend, config=chosen.config, tuning=tuning
         )
 
+    @classmethod
+    def _serves(cls, tuning: Tuning, eligible: list[Candidate], problem: Problem) -> bool:
+        """Whether ``apply`` takes ``tuning`` as it is: it timed every eligible backend and
+        its winner's config is offered now. One it refuses (a config not offered) must be
+        measured again, not returned: it stayed, and every call warned and ran untuned."""
+        if not {c.name for c in eligible} <= tuning.backends():
+            return False
+        chosen = choose(tuning.timings, {c.name: i for i, c in enumerate(eligible)}, close=tuning.close_call)
+        return chosen is None or cls._runs_config(chosen.backend, chosen.config, problem)
+
     @staticmethod
     def _runs_config(name: str, config: Config | None, problem: Problem) -> bool:
         """Whether backend ``name`` offers ``config`` for ``problem`` now (None: its default
@@ -494,9 +513,10 @@ class Tuner:
         if config is None:
             return True
         try:
-            return config in _configs(registry().get(name).backend, problem)
+            offered = _configs(registry().get(name).backend, problem)
         except PLUGIN_ERRORS:  # unregistered, no run_config, a failing configs(): not offered
             return False
+        return any(_same_config(config, c) for c in offered)
 
     @staticmethod
     def _offers_configs(name: str) -> bool:
@@ -527,7 +547,7 @@ class Tuner:
         with self._lock, torch.no_grad(), on_device:
             stored = self.lookup(problem)
             eligible = [c for c in decision.candidates if c.eligible]
-            if stored is not None and {c.name for c in eligible} <= stored.backends():
+            if stored is not None and self._serves(stored, eligible, problem):
                 return stored  # another thread measured it meanwhile
             started = time.perf_counter()
             contenders, excluded = self._contenders(problem, inputs, eligible)

@@ -9,8 +9,22 @@ from __future__ import annotations
 from typing import Any
 
 
+def _rebuilt(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> BaseException:
+    """An error unpickled without calling its ``__init__`` (``BaseException.__new__`` takes
+    any arguments), then given its attributes back."""
+    error = cls.__new__(cls, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class GroupedGemmError(Exception):
     """Base class of every error this library raises on purpose."""
+
+    def __reduce__(self) -> tuple:
+        # BaseException's reduce calls cls(*self.args): (message,) where __init__ takes
+        # (argument, value, allowed), so unpickling raised TypeError. A worker's error then
+        # broke a ProcessPoolExecutor ("terminated abruptly") and hung multiprocessing.Pool.
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class InvalidArgumentError(GroupedGemmError, ValueError):
@@ -20,7 +34,9 @@ class InvalidArgumentError(GroupedGemmError, ValueError):
         self.argument = argument
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{argument}={_short(value)} is invalid: {allowed}")
+        # Not super().__init__(message): torch.compile(fullgraph=True) cannot trace that call
+        # and reported it ("Attempted to call a super() attribute") in place of this error.
+        self.args = (f"{argument}={_short(value)} is invalid: {allowed}",)
 
 
 class InvalidTypeError(GroupedGemmError, TypeError):
@@ -30,7 +46,7 @@ class InvalidTypeError(GroupedGemmError, TypeError):
         self.argument = argument
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{argument}={_short(value)} is invalid: {allowed}")
+        self.args = (f"{argument}={_short(value)} is invalid: {allowed}",)  # as InvalidArgumentError
 
 
 class SplitsError(InvalidArgumentError):

@@ -9,7 +9,8 @@ routes its own tokens. A forward pass:
 2. exchanges the per-expert row counts (``all_to_all`` of ``world_size * L`` integers;
    one host sync, since ``all_to_all_single`` takes its split sizes as Python ints);
    the first forward (or ``full_state_dict``) also gathers every rank's configuration
-   (``num_experts``, ``hidden``, ``ffn``, dtype, ...) and raises on every rank if they differ;
+   (``num_experts``, ``hidden``, ``ffn``, dtype, ..., and a fingerprint of the replicated
+   router) and raises on every rank if they differ;
 3. dispatches the rows (``all_to_all``), re-sorts what arrived by local expert, runs
    gate-up -> activation -> down with the received counts as ``m_splits``;
 4. combines (the reverse ``all_to_all``) and sums each token's ``top_k`` expert outputs
@@ -25,8 +26,8 @@ fails raises, the others wait for that timeout and then raise.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from grouped_gemm.errors import (
     InvalidTypeError,
     ShapeError,
 )
+from grouped_gemm.group_offsets import as_ints
 from grouped_gemm.nn import GroupedLinear
 from grouped_gemm.recipe_codec import recipe_key
 from grouped_gemm.recipes import Recipe
@@ -121,13 +123,16 @@ def all_to_all(
 
 
 def _rank_splits(name: str, splits: Any, world: int) -> list[int]:
-    """``splits`` as ``world`` non-negative ints (ints, numpy ints or 0-d integer tensors)."""
-    try:
-        values = [operator.index(v) if not isinstance(v, bool) else None for v in splits]
-    except TypeError:
-        values = [None]
-    if len(values) != world or any(v is None or v < 0 for v in values):
-        raise InvalidArgumentError(name, splits, f"{world} non-negative ints, one per rank of the group")
+    """``splits`` as ``world`` non-negative ints in rank order: a list, tuple or 1-D tensor
+    of ints, numpy ints or 1-element integer tensors (items as ``m_splits``' are checked).
+    A mapping or set is refused (its keys, or an arbitrary order, were read as the sizes),
+    and so is a bool or bool-tensor item (a bool tensor counted as 1)."""
+    allowed = f"{world} non-negative ints, one per rank of the group, in rank order"
+    if isinstance(splits, (Mapping, AbstractSet, str, bytes)) or not isinstance(splits, Iterable):
+        raise InvalidArgumentError(name, splits, allowed)
+    values = as_ints(list(splits), name)
+    if len(values) != world or any(v < 0 for v in values):
+        raise InvalidArgumentError(name, splits, allowed)
     return values
 
 
@@ -148,6 +153,16 @@ class Routing:
     recv_splits: list[int]
     expert_splits: list[int] | torch.Tensor
     order: torch.Tensor | None
+
+
+def _fingerprint(t: torch.Tensor) -> list[int]:
+    """Two integers that tell bitwise different tensors of one shape and dtype apart: the
+    sum of their bytes, and that sum weighted by position (a permutation changes it).
+    Integer sums are exact in any order, so every rank gets the same numbers for the same
+    tensor (a float sum depends on the reduction order, e.g. on the thread count)."""
+    bits = t.detach().contiguous().flatten().view(torch.uint8).long()  # any dtype: its bytes
+    place = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return [int(bits.sum()), int((bits * place).sum())]
 
 
 def _positive(name: str, value: Any) -> int:
@@ -192,7 +207,8 @@ class ExpertParallelMoE(torch.nn.Module):
     is initialised then, else none (a local layer); a group of one (e.g. from
     ``dist.new_subgroups(group_size=1)``) also gives the local layer inside a distributed job.
 
-    Parameters: ``router.weight`` ``(num_experts, hidden)``, replicated (each rank's
+    Parameters: ``router.weight`` ``(num_experts, hidden)``, replicated (the same on every
+    rank, checked at the first forward: seed the ranks alike or load one state; each rank's
     gradient covers its own tokens: sum it over the group, as data-parallel training
     does, to get the whole batch's); ``gate_up`` and ``down`` are ``GroupedLinear``
     layers holding this rank's ``num_experts / world_size`` experts. ``state_dict()`` is
@@ -315,7 +331,8 @@ class ExpertParallelMoE(torch.nn.Module):
         layer. A rank with another num_experts, hidden or dtype sends sizes the others do
         not expect (gloo aborts the process; a mixed 16-bit dtype would be read as garbage),
         another ffn or bias gathers shards that do not fit; another recipe or
-        normalize_weights runs silently as another layer on that rank's experts or tokens.
+        normalize_weights runs silently as another layer on that rank's experts or tokens,
+        and so does another router (ranks seeded apart build different ones).
         Every rank gathers the same table, so all raise together and none hangs."""
         dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
         activations = sorted(ACTIVATIONS)
@@ -338,6 +355,8 @@ class ExpertParallelMoE(torch.nn.Module):
             "dtype": dtypes.index(dtype) if dtype in dtypes else -1,
             # The recipe key's bytes (a built-in's name, plus a changed scale_rule / grad_format).
             "recipe": list(recipe_key(self.gate_up.recipe).encode().ljust(_RECIPE_BYTES, b"\0")),
+            # Last: its shape and dtype agree once every field above does.
+            "router.weight": _fingerprint(self.router.weight),
         }
         row = [v for value in mine.values() for v in (value if isinstance(value, list) else [value])]
         table = [torch.empty(len(row), dtype=torch.int64, device=device) for _ in range(self.world_size)]
@@ -346,6 +365,14 @@ class ExpertParallelMoE(torch.nn.Module):
             theirs = iter(t.tolist())
             for name, value in mine.items():
                 other = [next(theirs) for _ in value] if isinstance(value, list) else next(theirs)
+                if value != other and name == "router.weight":
+                    raise InvalidArgumentError(
+                        name,
+                        self.router.weight,
+                        f"the same on every rank of the group (the router is replicated), but rank {rank}'s "
+                        "differs: build the layer after seeding every rank alike, or load one state on "
+                        "every rank (load_full_state_dict)",
+                    )
                 if value != other:
                     show = decode.get(name, int)
                     raise InvalidArgumentError(

@@ -41,7 +41,8 @@ def recipe_from_key(key: str) -> Recipe:
     if not changes:
         return base
     fields = dict(change.partition("=")[::2] for change in changes)
-    if fields.keys() != {"scale_rule", "grad_format"}:
+    # Each field once: a repeated one would silently take its last value.
+    if len(changes) != len(fields) or fields.keys() != {"scale_rule", "grad_format"}:
         raise UnknownRecipeError("recipe", key, "a recipe name, or name;scale_rule=...;grad_format=...")
     grad_format = None if fields["grad_format"] == "none" else fields["grad_format"]
     return get_recipe(base.model_copy(update={"scale_rule": fields["scale_rule"], "grad_format": grad_format}))
@@ -64,4 +65,32 @@ def op_recipe(recipe: str | Recipe | None, x: torch.Tensor) -> str:
         return recipe
     if not isinstance(recipe, Recipe):
         raise UnknownRecipeError("recipe", recipe, f"a recipe name ({', '.join(RECIPES)}) or a gg.Recipe")
-    return recipe_key(recipe if compiling else get_recipe(recipe))
+    if compiling:
+        _check_keyless_fields(recipe)
+        return recipe_key(recipe)
+    return recipe_key(get_recipe(recipe))
+
+
+def _check_keyless_fields(recipe: Recipe) -> None:
+    """Under ``torch.compile``, where ``get_recipe`` cannot run, the part of its check that
+    the key depends on: a built-in's name with another block size or operand format made
+    the built-in's key, and the op ran the built-in silently (eager refuses it). A name
+    or scale_rule / grad_format the key carries is checked by the op when it runs.
+    Plain attribute reads and a field's own value in the error: Dynamo traces neither
+    ``getattr`` on a pydantic model nor its ``repr``."""
+    base = RECIPES.get(recipe.name)
+    if base is None:
+        return
+    fields = (
+        ("plain_dtype", recipe.plain_dtype, base.plain_dtype),
+        ("act_format", recipe.act_format, base.act_format),
+        ("weight_format", recipe.weight_format, base.weight_format),
+        ("block_size", recipe.block_size, base.block_size),
+    )
+    for name, value, builtin in fields:
+        if value != builtin:
+            raise UnknownRecipeError(
+                f"recipe.{name}",
+                value,
+                f"{builtin!r}, built-in {base.name}'s (a Recipe may change only scale_rule and grad_format)",
+            )
