@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 import grouped_gemm as gg
 from grouped_gemm import autotune, ops, testing, tuning_store, validation
@@ -342,27 +342,8 @@ def test_a_router_that_differs_between_ranks_is_named(tmp_path):
     with another router (no single layer computes that), and ``full_state_dict``, which
     promises every rank the same dict, gave each rank its own router; silently. Now the
     first forward or full_state_dict names router.weight on every rank."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--ep-worker", str(r), str(tmp_path / "store"), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
-    for rank in range(2):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    results = run_ranks(__file__, "--ep-worker", tmp_path, timeout_s=120)
+    for rank, res in enumerate(results):
         for name in ("forward", "full_state_dict"):
             assert res[name].startswith("router.weight=Tensor(shape=(4, 8)"), (rank, name, res[name])
             assert f"rank {1 - rank}'s differs" in res[name], res[name]

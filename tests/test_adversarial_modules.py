@@ -11,7 +11,6 @@ import copy
 import io
 import json
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 import grouped_gemm as gg
 from grouped_gemm.parallel import ExpertParallelMoE
@@ -495,27 +495,7 @@ def test_all_to_all_and_expert_parallel_check_each_rank(tmp_path):
     abort the process ('Received data size doesn't match expected size'), or (ffn) gather
     shards that do not fit, or (recipe, normalize_weights) ran as different layers, silently;
     now every rank names the difference at the first forward or full_state_dict."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--exchange-worker"]
-    procs = [
-        subprocess.Popen(
-            [*cmd, str(r), str(tmp_path / "store"), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log}"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_ranks(__file__, "--exchange-worker", tmp_path, timeout_s=60)
     for res in results:
         assert res["group='world'"] == res["group=3"] == "group"
         assert {name: res[name] for name in BAD_EXCHANGES} == {name: arg for name, (_, _, arg) in BAD_EXCHANGES.items()}
