@@ -6,13 +6,38 @@ prints ``tune_once()`` as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
 import grouped_gemm as gg
+from grouped_gemm.registry import registry
+
+
+@contextlib.contextmanager
+def only_registered() -> Iterator[Callable[..., None]]:
+    """Every registered backend taken out for the block; yields ``add(*backends)`` that
+    registers the test's own. On exit those go and the originals come back, pass or fail."""
+    reg = registry()
+    saved = [(e.backend, e.plugin) for e in reg.entries()]
+    for backend, _ in saved:
+        reg.unregister(backend.spec.name)
+
+    def add(*backends: gg.Backend) -> None:
+        for backend in backends:
+            reg.register(backend, plugin="test")
+
+    try:
+        yield add
+    finally:
+        for name in reg.names():
+            reg.unregister(name)
+        for backend, plugin in saved:
+            reg.register(backend, plugin)
 
 
 class FakeClock:

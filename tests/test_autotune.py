@@ -45,20 +45,8 @@ def only(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "CLOSE_PLAN", autotune.ClosePlan(rep_ms=20, min_blocks=4, max_blocks=10))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    reg = registry()
-    saved = [(e.backend, e.plugin) for e in reg.entries()]
-    for backend, _ in saved:
-        reg.unregister(backend.spec.name)
-
-    def add(*backends: TimedBackend) -> None:
-        for backend in backends:
-            reg.register(backend, plugin="test")
-
-    yield add
-    for name in reg.names():
-        reg.unregister(name)
-    for backend, plugin in saved:
-        reg.register(backend, plugin)
+    with _fakes.only_registered() as add:
+        yield add
     torch.set_num_threads(threads)
 
 
