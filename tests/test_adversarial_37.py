@@ -25,7 +25,6 @@ from gloo_ranks import run_ranks
 import grouped_gemm as gg
 from grouped_gemm import autotune, ops, testing, tuning_store, validation
 from grouped_gemm.parallel import ExpertParallelMoE
-from grouped_gemm.registry import registry
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("autotune_fakes", HERE / "autotune_fakes.py")
@@ -52,17 +51,15 @@ def tiled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[StrictTil
     """``StrictTiles`` as the only registered backend, with a private store and short plans."""
     monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.setattr(autotune, "PLAN", autotune.Plan(warmup_ms=1, rep_ms=3, min_reps=3, max_reps=9))
-    reg = registry()
-    saved = [(e.backend, e.plugin) for e in reg.entries()]
-    for backend, _ in saved:
-        reg.unregister(backend.spec.name)
-    backend = StrictTiles("tiled", delay=0.003, configs=[{"delay": 0.003, "tile": 2}, {"delay": 0.0002, "tile": 1}])
-    reg.register(backend, plugin="test")
-    yield backend
-    for name in reg.names():
-        reg.unregister(name)
-    for backend, plugin in saved:
-        reg.register(backend, plugin)
+    # A virtual clock: slept delays on a loaded host (CI beside other jobs) made the 0.2 ms
+    # config as slow as the 3 ms default, and the close call kept the default.
+    clock = _fakes.FakeClock()
+    monkeypatch.setattr(autotune, "Clock", clock)
+    configs = [{"delay": 0.003, "tile": 2}, {"delay": 0.0002, "tile": 1}]
+    backend = StrictTiles("tiled", delay=0.003, configs=configs, clock=clock)
+    with _fakes.only_registered() as add:
+        add(backend)
+        yield backend
     gg.configure(autotune=False)
 
 
