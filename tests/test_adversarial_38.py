@@ -1,0 +1,55 @@
+"""Adversarial cases from the thirty-eighth hunt: copied and unpickled ``gg.offsets``,
+bench outputs naming one file twice, check given a name twice. Each test failed before
+its fix; CPU only, small shapes, fresh random data, float64 references.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import grouped_gemm as gg
+from grouped_gemm import testing
+
+# ---- copies of gg.offsets ----------------------------------------------------------------
+
+COPIES: dict[str, Callable[[gg.GroupOffsets], gg.GroupOffsets]] = {
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda offs: pickle.loads(pickle.dumps(offs)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+@pytest.mark.parametrize("source", ["list", "tensor"])
+def test_a_copied_or_unpickled_offsets_gives_the_right_numbers(how: str, source: str) -> None:
+    """A module's state is deep-copied (EMA, checkpoints) or pickled to a worker: the copy
+    was refused on every call as "written in place since" before anything was written."""
+    sizes = torch.randint(0, 9, (5,)).tolist()
+    offs = gg.offsets(sizes if source == "list" else torch.tensor(sizes))
+    copied = COPIES[how](offs)
+    x = torch.randn(sum(sizes), 24, dtype=torch.float32)
+    w = torch.randn(len(sizes), 16, 24, dtype=torch.float32)
+    want = torch.cat([xg @ wg.T for xg, wg in zip(x.double().split(sizes), w.double(), strict=True)])
+    assert testing.rel_error(gg.grouped_gemm(x, w, copied), want) < 1e-5
+    assert copied.total == sum(sizes) and len(copied) == len(sizes)
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_a_copy_of_offsets_written_in_place_stays_refused(how: str) -> None:
+    offs = gg.offsets([4, 2, 6])
+    offs.splits[0] = 3
+    with pytest.raises(gg.SplitsError, match="written in place"):
+        gg.grouped_gemm(torch.randn(12, 8), torch.randn(3, 4, 8), COPIES[how](offs))
+
+
+def test_an_unpickled_offsets_whose_parts_disagree_is_named() -> None:
+    """A pickle may come from anywhere: its parts are checked as a hand-built one's are."""
+    offs = gg.offsets([4, 2, 6])
+    rebuild, (splits, _, total, written) = offs.__reduce__()
+    with pytest.raises(gg.SplitsError, match="ends"):
+        rebuild(splits, torch.tensor([4, 5, 12], dtype=torch.int32), total, written)
