@@ -6,14 +6,18 @@ its fix; CPU only, small shapes, fresh random data, float64 references.
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 import grouped_gemm as gg
 from grouped_gemm import testing
+from grouped_gemm.bench import command
+from grouped_gemm.cli import build_parser, main
 
 # ---- copies of gg.offsets ----------------------------------------------------------------
 
@@ -53,3 +57,28 @@ def test_an_unpickled_offsets_whose_parts_disagree_is_named() -> None:
     rebuild, (splits, _, total, written) = offs.__reduce__()
     with pytest.raises(gg.SplitsError, match="ends"):
         rebuild(splits, torch.tensor([4, 5, 12], dtype=torch.int32), total, written)
+
+
+# ---- bench outputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("first", "second"), [("--out", "--markdown"), ("--markdown", "--plot"), ("--out", "--plot")])
+def test_bench_refuses_two_outputs_naming_one_file(tmp_path: Path, first: str, second: str) -> None:
+    """They are written one after another: --out x --markdown x left Markdown in the JSON
+    file and printed "wrote x" twice."""
+    path = tmp_path / "result"
+    args = build_parser().parse_args(["bench", "--cases", "mixtral_down", "--device", "cpu", first, str(path)])
+    setattr(args, second.lstrip("-"), tmp_path / "." / "result")
+    with pytest.raises(gg.InvalidArgumentError, match=rf"{second.lstrip('-')}=.*other than {first}"):
+        command.options(args)
+    assert not path.exists()
+
+
+def test_bench_json_survives_beside_a_markdown_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    argv = ["--cases", "mixtral_down", "--ops", "fwd", "--splits", "balanced", "--backends", "reference"]
+    argv += ["--no-peer", "--quiet", "--rep-ms", "1", "--warmup-ms", "0", "--min-reps", "1", "--max-reps", "1"]
+    assert main(["bench", *argv, "--device", "cpu", "--out", str(out), "--markdown", str(md)]) == 0
+    assert json.loads(out.read_text())["rows"] and md.read_text().startswith("Command:")
+    assert main(["bench", *argv, "--device", "cpu", "--out", str(out), "--markdown", str(out)]) == 2
+    assert "markdown=" in capsys.readouterr().err
