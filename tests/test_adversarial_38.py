@@ -82,3 +82,15 @@ def test_bench_json_survives_beside_a_markdown_file(tmp_path: Path, capsys: pyte
     assert json.loads(out.read_text())["rows"] and md.read_text().startswith("Command:")
     assert main(["bench", *argv, "--device", "cpu", "--out", str(out), "--markdown", str(out)]) == 2
     assert "markdown=" in capsys.readouterr().err
+
+
+# ---- check ---------------------------------------------------------------------------------
+
+
+def test_check_counts_a_backend_named_twice_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A name given twice was checked twice: the table and summary counted double runs."""
+    argv = ["check", "--recipes", "fp32,fp32", "--ops", "fwd", "--quiet"]
+    assert main([*argv, "--backends", "reference"]) == 0
+    once = capsys.readouterr().out
+    assert main([*argv, "--backends", "reference, reference"]) == 0
+    assert capsys.readouterr().out == once
