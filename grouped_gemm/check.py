@@ -360,7 +360,8 @@ def report(results: list[Result], backends: list[str], verbose: bool) -> str:
 def _names(value: str | None, argument: str, allowed: tuple[str, ...]) -> list[str]:
     if value is None:
         return list(allowed)
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    # Once each, in order: a name given twice was checked twice and counted twice in the summary.
+    names = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
     for name in names:
         if name not in allowed:
             raise InvalidArgumentError(argument, name, f"one of {', '.join(allowed)}")

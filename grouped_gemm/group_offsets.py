@@ -108,6 +108,27 @@ class GroupOffsets:
     def __len__(self) -> int:
         return self.groups
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Copies and pickles rebuild the read facts (``_rebuilt``): the stamps count writes
+        to these tensors, and ``deepcopy`` and ``pickle`` give new tensors whose count starts
+        at 1, so a copied module's offsets were refused as written in place on every call."""
+        return _rebuilt, (self.splits, self.ends, self.total, self.written())
+
+
+#: A write stamp no tensor has (versions are >= -1, declared writes >= 0).
+_NEVER_STAMPED = ((-2, -1), (-2, -1))
+
+
+def _rebuilt(splits: torch.Tensor, ends: torch.Tensor, total: int | None, written: bool) -> GroupOffsets:
+    """A copied or unpickled ``GroupOffsets``: its parts checked like one built by hand (a
+    pickle may come from anywhere), or, when the original had been written in place, kept
+    refused as it was."""
+    if not written:
+        return GroupOffsets(splits, ends, total)
+    made = _agreeing(splits, ends, total)
+    object.__setattr__(made, "versions", _NEVER_STAMPED)
+    return made
+
 
 def _agreeing(splits: torch.Tensor, ends: torch.Tensor, total: int | None) -> GroupOffsets:
     """A ``GroupOffsets`` from parts that agree by construction (``offsets`` builds them):

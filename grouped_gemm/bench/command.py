@@ -122,11 +122,27 @@ def _check_out_path(path: Path | None, argument: str = "out", make_parent: bool 
         raise InvalidArgumentError(argument, str(path), "a writable path")
 
 
+def _check_distinct_outputs(args: argparse.Namespace) -> None:
+    """The outputs are written one after another, so two naming one file kept only the
+    last: the JSON record was overwritten by the Markdown table, both reported as written."""
+    seen: dict[Path, str] = {}
+    for argument in ("out", "markdown", "plot"):
+        path = getattr(args, argument)
+        if path is None:
+            continue
+        first = seen.setdefault(path.resolve(), argument)
+        if first != argument:
+            raise InvalidArgumentError(
+                argument, str(path), f"a file other than --{first}'s; each output is a file of its own"
+            )
+
+
 def options(args: argparse.Namespace) -> BenchOptions:
     """Validated options; every bad value raises naming the argument and what is allowed."""
     _check_out_path(args.out)
     _check_out_path(args.markdown, "markdown", make_parent=True)
     _check_out_path(args.plot, "plot", make_parent=True)
+    _check_distinct_outputs(args)
     device = torch_device(args.device)
     cpu = device.type == "cpu"
     scale = default_scale(args.scale, cpu)
