@@ -327,7 +327,8 @@ def use_backends(
     ``order`` is a name, a list of names, an order string (``"mxfp4:a,b;bf16:c"``) or a
     recipe -> names mapping. ``debug=True`` checks after every call that the backend did
     not modify its inputs in place. ``autotune=True`` ranks by measured time where no order
-    applies (see ``configure``). Scopes nest and are local to the thread and asyncio task.
+    applies (see ``configure``). Scopes nest and are local to the thread and asyncio task;
+    leave one in the thread or task that entered it (elsewhere it stays on, with a warning).
     """
     if order is not None:
         _check_order(order, "order")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,4 +23,17 @@ def pushed(stack: contextvars.ContextVar[tuple[Any, ...]], frame: Any) -> Iterat
     try:
         yield
     finally:
-        stack.set(tuple(f for f in stack.get() if f is not frame))
+        frames = stack.get()
+        if any(f is frame for f in frames):
+            stack.set(tuple(f for f in frames if f is not frame))
+        else:
+            # Left in another context than it was entered in (a generator holding the scope
+            # finished in another thread or task): that context's stack cannot be reached
+            # from here, so the scope stays on there; say so rather than nothing.
+            warnings.warn(
+                f"grouped_gemm: a scope ({stack.name}) was left in another thread or asyncio task "
+                "than the one that entered it (e.g. a generator holding it was finished there); "
+                "it stays active where it was entered. Enter and leave a scope in one thread or task.",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -5,17 +5,20 @@ its fix; CPU only, small shapes, fresh random data, float64 references.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import pickle
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import grouped_gemm as gg
-from grouped_gemm import testing
+from grouped_gemm import config, testing
 from grouped_gemm.bench import command
 from grouped_gemm.cli import build_parser, main
 
@@ -94,3 +97,55 @@ def test_check_counts_a_backend_named_twice_once(capsys: pytest.CaptureFixture[s
     once = capsys.readouterr().out
     assert main([*argv, "--backends", "reference, reference"]) == 0
     assert capsys.readouterr().out == once
+
+
+# ---- scopes left in another thread -----------------------------------------------------------
+
+
+def test_a_scope_left_in_another_thread_warns():
+    """A generator holding ``use_backends`` across a ``yield``, finished in another thread,
+    leaves the scope there, where the entering thread's stack cannot be reached: it stayed
+    on in that thread (every later call strict on ``reference``), with nothing said. It
+    still stays on (a context variable of another thread cannot be edited), but the exit
+    warns, naming the rule. Run in a copied context so the stuck scope ends with it."""
+
+    def holder() -> Iterator[int]:
+        with gg.use_backends("reference", strict=True):
+            yield 1
+            yield 2
+
+    def scenario() -> tuple[list[warnings.WarningMessage], tuple]:
+        gen = holder()
+        next(gen)
+        caught: list[warnings.WarningMessage] = []
+
+        def finish() -> None:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                list(gen)
+            caught.extend(seen)
+
+        worker = threading.Thread(target=finish)
+        worker.start()
+        worker.join(timeout=60)
+        return caught, config.active_scopes()
+
+    caught, left_on = contextvars.copy_context().run(scenario)
+    assert [w.category for w in caught] == [RuntimeWarning], [str(w.message) for w in caught]
+    assert "left in another thread or asyncio task than the one that entered it" in str(caught[0].message)
+    assert len(left_on) == 1 and left_on[0].strict is True
+    assert config.active_scopes() == ()
+
+
+def test_a_scope_left_in_its_own_thread_is_removed_without_a_warning():
+    """The ordinary exit, and an out-of-order one in one thread, stay silent."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outer = gg.use_backends("reference")
+        inner = gg.use_backends("torch_grouped_mm")
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)  # out of order: removes only its own frame
+        assert [s.order for s in config.active_scopes()] == [(("*", ("torch_grouped_mm",)),)]
+        inner.__exit__(None, None, None)
+    assert config.active_scopes() == ()
