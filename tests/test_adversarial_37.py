@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_ranks import run_ranks
+from moe_reference import dense_float64
 
 import grouped_gemm as gg
 from grouped_gemm import autotune, ops, testing, tuning_store, validation
@@ -292,8 +293,6 @@ def _ep_worker(rank: int, store: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from grouped_gemm.parallel import ACTIVATIONS
-
     torch.manual_seed(7)  # the same on both ranks: the whole layer and batch
     ref = ExpertParallelMoE(*EP_ARGS, dtype=torch.float32)
     x_all = torch.randn(sum(EP_TOKENS), EP_ARGS[1])
@@ -318,15 +317,7 @@ def _ep_worker(rank: int, store: str, out_dir: str) -> None:
         layer.load_full_state_dict(ref.state_dict())
         y = layer(x_all[rows])
         state = {k: v.double() for k, v in layer.full_state_dict().items()}
-        x64 = x_all[rows].double()
-        weight, chosen = (x64 @ state["router.weight"].T).softmax(-1).topk(EP_ARGS[3], dim=-1)
-        weight = weight / weight.sum(-1, keepdim=True)
-        want = torch.zeros_like(x64)
-        act = ACTIVATIONS[layer.activation][1]  # swiglu: gate-up gives gate and up
-        for t in range(x64.shape[0]):
-            for j, e in enumerate(chosen[t].tolist()):
-                gate, up = (state["gate_up.weight"][e] @ x64[t]).chunk(2)
-                want[t] += weight[t, j] * (state["down.weight"][e] @ (act(gate) * up))
+        want = dense_float64(state, x_all[rows].double(), {"activation": layer.activation, "top_k": EP_ARGS[3]})
         results["rel_error"] = testing.rel_error(y, want)
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))

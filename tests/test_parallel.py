@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_reference import dense_float64
 
 import grouped_gemm as gg
-from grouped_gemm.parallel import ACTIVATIONS, ExpertParallelMoE
+from grouped_gemm.parallel import ExpertParallelMoE
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVE_TIMEOUT_S = 30
@@ -337,24 +338,6 @@ def test_gpu_example_runs_under_torchrun_with_nccl(tmp_path: Path, args: tuple[s
     assert report["backend"] == "nccl"
 
 
-def _dense_float64(state: dict[str, torch.Tensor], x: torch.Tensor, case: dict) -> torch.Tensor:
-    """Every token through each of its top-k experts one at a time, from the layer's state."""
-    gated, act = ACTIVATIONS[case["activation"]]
-    probs = (x @ state["router.weight"].T).softmax(dim=-1)
-    top, chosen = probs.topk(case["top_k"], dim=-1)
-    if case.get("normalize", True):
-        top = top / top.sum(dim=-1, keepdim=True)
-    rows = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros(HIDDEN, dtype=x.dtype)
-        for j, e in enumerate(chosen[t].tolist()):
-            h = state["gate_up.weight"][e] @ x[t] + (state["gate_up.bias"][e] if case.get("bias") else 0)
-            h = act(h[:FFN]) * h[FFN:] if gated else act(h)
-            acc = acc + top[t, j] * (state["down.weight"][e] @ h + (state["down.bias"][e] if case.get("bias") else 0))
-        rows.append(acc)
-    return torch.stack(rows)
-
-
 def _check_against_float64(case: dict, device: str) -> None:
     layer, x, dy = _inputs(case, seed=7)
     layer, x, dy = layer.to(device), x.to(device).requires_grad_(True), dy.to(device)
@@ -362,7 +345,7 @@ def _check_against_float64(case: dict, device: str) -> None:
     (y * dy).sum().backward()
     state = {k: v.detach().cpu().double().requires_grad_(True) for k, v in layer.state_dict().items()}
     x64 = x.detach().cpu().double().requires_grad_(True)
-    y64 = _dense_float64(state, x64, case)
+    y64 = dense_float64(state, x64, case)
     (y64 * dy.cpu().double()).sum().backward()
     assert _rel(y.cpu(), y64) < TOLERANCE
     assert _rel(x.grad.cpu(), x64.grad) < TOLERANCE
