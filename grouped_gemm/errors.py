@@ -27,8 +27,8 @@ class GroupedGemmError(Exception):
         return _rebuilt, (type(self), self.args, self.__dict__)
 
 
-class InvalidArgumentError(GroupedGemmError, ValueError):
-    """An argument has a value outside what is allowed."""
+class _NamedArgumentError(GroupedGemmError):
+    """What an argument error carries: the argument's name, its value and what is allowed."""
 
     def __init__(self, argument: str, value: Any, allowed: str) -> None:
         self.argument = argument
@@ -39,14 +39,12 @@ class InvalidArgumentError(GroupedGemmError, ValueError):
         self.args = (f"{argument}={_short(value)} is invalid: {allowed}",)
 
 
-class InvalidTypeError(GroupedGemmError, TypeError):
-    """An argument has a type (or tensor dtype) outside what is allowed."""
+class InvalidArgumentError(_NamedArgumentError, ValueError):
+    """An argument has a value outside what is allowed."""
 
-    def __init__(self, argument: str, value: Any, allowed: str) -> None:
-        self.argument = argument
-        self.value = value
-        self.allowed = allowed
-        self.args = (f"{argument}={_short(value)} is invalid: {allowed}",)  # as InvalidArgumentError
+
+class InvalidTypeError(_NamedArgumentError, TypeError):
+    """An argument has a type (or tensor dtype) outside what is allowed."""
 
 
 class SplitsError(InvalidArgumentError):
