@@ -11,11 +11,16 @@ import sys
 from pathlib import Path
 
 
+def gloo_env() -> dict[str, str]:
+    """This process's environment for a rank: loopback only, one thread per process (the
+    CI machine has two cores, shared by every rank)."""
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
 def run_ranks(script: str, flag: str, out_dir: Path, timeout_s: float, world: int = 2) -> list[dict]:
     """Every rank's results; fails with a rank's output if it exits non-zero. A rank still
     running after ``timeout_s`` is killed (a mismatched collective can wait forever)."""
-    # Loopback only; one thread per process (the CI machine has two cores).
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = gloo_env()
     procs = [
         subprocess.Popen(
             [sys.executable, script, flag, str(rank), str(out_dir / "store"), str(out_dir)],

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import gloo_env
 from moe_reference import dense_float64
 
 import grouped_gemm as gg
@@ -224,11 +225,6 @@ def _run_bounded(commands: list[list[str]], timeout: float, env: dict[str, str])
     return outputs
 
 
-def _env() -> dict[str, str]:
-    # Loopback only; one thread per process (two cores shared by every rank).
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-
-
 def _fork_workers(world: int, store: str, out_dir: str) -> None:
     """Every rank's ``_worker`` in a process of its own, forked from this one, which has
     imported torch, pytest and grouped_gemm once for all of them (each worker started its
@@ -268,7 +264,7 @@ def job_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Every rank's results of one 4-process job."""
     out = tmp_path_factory.mktemp("expert_parallel")
     cmd = [sys.executable, __file__, "--workers", str(WORLD), str(out / "store"), str(out)]
-    [(code, log)] = _run_bounded([cmd], JOB_TIMEOUT_S, _env())
+    [(code, log)] = _run_bounded([cmd], JOB_TIMEOUT_S, gloo_env())
     assert code == 0, log
     statuses = json.loads((out / "statuses.json").read_text())
     for rank in range(WORLD):
@@ -323,7 +319,7 @@ def _run_example(out: Path, env: dict[str, str], *args: str, timeout: float = JO
 
 @pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path: Path):
-    report = _run_example(tmp_path, _env(), "--tokens", "24", "--bench-iters", "1")
+    report = _run_example(tmp_path, gloo_env(), "--tokens", "24", "--bench-iters", "1")
     assert report["backend"] == "gloo"
     assert [r["tokens"] for r in report["ranks"]] == [16, 32]  # uneven on purpose
 
